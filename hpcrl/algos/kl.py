@@ -1,0 +1,40 @@
+"""Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+Divergence", 2020), used as a reward penalty or a loss term against the reference model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from hpcrl.algos.registry import lookup
+
+LOG_RATIO_LIMIT = 20.0
+
+
+def _k1(log_ratio: Tensor) -> Tensor:
+    """``log pi - log pi_ref``: unbiased, high variance, can be negative per token."""
+    return log_ratio
+
+
+def _k2(log_ratio: Tensor) -> Tensor:
+    """``0.5 * (log pi - log pi_ref)^2``: biased, low variance, never negative."""
+    return 0.5 * log_ratio.square()
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    """``exp(-d) + d - 1`` with ``d = log pi - log pi_ref``: unbiased, low variance, >= 0.
+
+    ``d`` is clamped first: an extreme ratio would overflow ``exp`` and its gradient.
+    """
+    d = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.exp(-d) + d - 1
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token KL estimate (same shape as the inputs); ``estimator`` is "k1", "k2" or "k3"."""
+    return lookup(KL_ESTIMATORS, estimator, "KL estimator")(logprobs - ref_logprobs)

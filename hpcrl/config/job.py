@@ -1,0 +1,197 @@
+"""The job schema: one YAML describes a whole RL experiment, independent of the machine it runs on."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from hpcrl.config.base import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SafeName,
+    Schema,
+    UnitInterval,
+)
+
+RoleName = Literal["actor_train", "actor_infer", "reference", "critic", "reward", "env"]
+StageName = Literal["rollout", "reward", "logprobs", "train"]
+TRAINING_ENGINES = ("torch", "megatron", "deepspeed")
+GENERATION_ENGINES = ("native", "vllm")
+ROLE_ENGINES: dict[str, tuple[str, ...]] = {
+    "actor_train": TRAINING_ENGINES,
+    "reference": TRAINING_ENGINES,
+    "critic": TRAINING_ENGINES,
+    "actor_infer": GENERATION_ENGINES,
+    "reward": ("rule",),
+    "env": ("text",),
+}
+DEFAULT_ENGINE = {"actor_train": "torch", "reference": "torch", "critic": "torch",
+                  "actor_infer": "native", "reward": "rule", "env": "text"}
+DEFAULT_STAGES: dict[str, tuple[str, ...]] = {
+    "actor_train": ("logprobs", "train"),
+    "reference": ("logprobs",),
+    "critic": ("logprobs", "train"),
+    "actor_infer": ("rollout",),
+    "reward": ("reward",),
+    "env": ("rollout",),
+}
+
+
+class ModelConfig(Schema):
+    """A Qwen2/LLaMA-style causal LM: built from these sizes with random weights, or loaded from `path`."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    path: str | None = Field(None, description="local Hugging Face model directory (nothing is downloaded)")
+    hidden_size: PositiveInt = 64
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
+    intermediate_size: PositiveInt = 128
+    max_position_embeddings: PositiveInt = 64
+    vocab_size: PositiveInt | None = Field(None, description="default: the task tokenizer's size")
+    tie_word_embeddings: bool = True
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class TaskConfig(Schema):
+    """A built-in synthetic task with a verifiable answer (no download needed)."""
+
+    name: Literal["addition"] = "addition"
+    digits: PositiveInt = Field(1, description="digits per operand: 1 gives 100 distinct prompts")
+    eval_size: NonNegativeInt = 0
+
+
+class DatasetConfig(Schema):
+    """Prompts and reference answers from a local jsonl or parquet file."""
+
+    path: str
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+
+class AlgorithmConfig(Schema):
+    name: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    group_size: PositiveInt = Field(8, description="responses sampled per prompt")
+    normalize_std: bool = True
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    clip_low: PositiveFloat = 0.2
+    clip_high: PositiveFloat = 0.2
+    dual_clip_c: PositiveFloat | None = None
+    kl_coef: NonNegativeFloat = 0.0
+    entropy_coef: NonNegativeFloat = Field(0.0, description="entropy bonus: keeps exploring instead of collapsing")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal (DAPO)")
+
+
+class TrainConfig(Schema):
+    steps: PositiveInt = 100
+    prompts_per_step: PositiveInt = 16
+    ppo_epochs: PositiveInt = 1
+    minibatches: PositiveInt = Field(1, description="optimizer steps per epoch over the rollout batch")
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: PositiveFloat | None = 1.0
+
+
+class RolloutConfig(Schema):
+    max_new_tokens: PositiveInt = 8
+    temperature: PositiveFloat = 1.0
+    top_p: UnitInterval = 1.0
+    top_k: NonNegativeInt = 0
+    max_staleness: NonNegativeInt = Field(0, description="policy versions a consumed sample may lag (0: synchronous)")
+    is_cap: PositiveFloat = Field(2.0, description="truncation of the off-policy importance weight")
+
+
+class CheckpointConfig(Schema):
+    every: NonNegativeInt = Field(0, description="save every N steps (0: only on signal and at the end)")
+    keep: PositiveInt = 2
+
+
+class LogConfig(Schema):
+    tensorboard: bool = True
+    print_every: PositiveInt = 10
+    check_weights: bool = Field(False, description="after each sync, verify every DP replica and rollout rank "
+                                "holds the same weights (a SHA-256 per rank; costs a pass over the weights)")
+
+
+class Parallel(Schema):
+    """Parallel sizes as Megatron-core names them."""
+
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    cp: PositiveInt = 1
+    ep: PositiveInt = 1
+    dp: PositiveInt = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+
+class RolePlacement(Schema):
+    nodes: str = Field(..., pattern=r"^\d+(-\d+)?$", description='node range, e.g. "0-1"')
+
+
+class RoleConfig(Schema):
+    engine: str | None = None
+    parallel: Parallel = Parallel()
+    stages: list[StageName] | None = None
+    placement: RolePlacement | None = None
+    colocate_with: RoleName | None = None
+
+
+class Roles(Schema):
+    actor_train: RoleConfig
+    actor_infer: RoleConfig
+    reference: RoleConfig | None = None
+    critic: RoleConfig | None = None
+    reward: RoleConfig | None = Field(None, description="absent: rewards are computed on the controller")
+    env: RoleConfig | None = None
+
+    def items(self) -> list[tuple[str, RoleConfig]]:
+        """The roles present, in declaration order."""
+        return [(name, getattr(self, name)) for name in type(self).model_fields if getattr(self, name) is not None]
+
+
+class JobConfig(Schema):
+    name: SafeName
+    seed: NonNegativeInt = 1
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig | None = None
+    dataset: DatasetConfig | None = None
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    roles: Roles
+    sweep: dict[str, list[Any]] | None = Field(None, description="key path -> values; one array task per combination")
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobConfig":
+        if (self.task is None) == (self.dataset is None):
+            raise ValueError("give exactly one of 'task' (a built-in task) or 'dataset' (a prompt file)")
+        for name, role in self.roles.items():
+            allowed = ROLE_ENGINES[name]
+            if role.engine is not None and role.engine not in allowed:
+                raise ValueError(f"roles.{name}.engine: {role.engine!r} is not one of {', '.join(allowed)}")
+        return self
+
+    def engine(self, role: str) -> str:
+        config = getattr(self.roles, role)
+        return config.engine or DEFAULT_ENGINE[role]
+
+    def stages(self, role: str) -> tuple[str, ...]:
+        config = getattr(self.roles, role)
+        return tuple(config.stages) if config.stages is not None else DEFAULT_STAGES[role]

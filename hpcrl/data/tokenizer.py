@@ -1,0 +1,68 @@
+"""A character tokenizer for the built-in arithmetic tasks: tiny vocabulary, no files, no download."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+CHARACTERS = "0123456789+-*=() "
+
+
+class CharTokenizer:
+    """Maps each character to one id; `<pad>`=0, `<bos>`=1, `<eos>`=2."""
+
+    def __init__(self, characters: str = CHARACTERS):
+        self.vocab = list(SPECIAL_TOKENS) + list(characters)
+        self._ids = {token: index for index, token in enumerate(self.vocab)}
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        try:
+            ids = [self._ids[ch] for ch in text]
+        except KeyError as exc:
+            raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {CHARACTERS!r}") from None
+        return [self.bos_token_id] + ids if add_bos else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text up to the first `<eos>`, special tokens dropped."""
+        chars = []
+        for token in ids:
+            if token == self.eos_token_id:
+                break
+            if token >= len(SPECIAL_TOKENS):
+                chars.append(self.vocab[token])
+        return "".join(chars)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local model directory, behind the CharTokenizer interface."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.eos_token_id = self._tok.eos_token_id
+        self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
+        self.bos_token_id = self._tok.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False)
+        return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(model_path: str | None) -> CharTokenizer | HFTokenizer:
+    """The tokenizer of a local HF model when `model.path` is set, else the task's character tokenizer."""
+    return HFTokenizer(model_path) if model_path else CharTokenizer()

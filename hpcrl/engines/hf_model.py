@@ -1,0 +1,47 @@
+"""The policy model: a Hugging Face Qwen2/LLaMA causal LM, built from sizes or loaded from a local dir.
+
+Using the HF classes (not a toy model of our own) means the same code path later loads real
+checkpoints, and feeds the HF <-> Megatron conversion and vLLM.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from hpcrl.config.job import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ARCH = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def hf_config(model: ModelConfig, vocab_size: int, pad_id: int, bos_id: int | None, eos_id: int):
+    config_cls, _ = _ARCH[model.arch]
+    return config_cls(
+        vocab_size=model.vocab_size or vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_kv_heads,
+        max_position_embeddings=model.max_position_embeddings,
+        tie_word_embeddings=model.tie_word_embeddings,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+
+
+def build_model(model: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
+    """Every rank calls this with the same seed and gets bit-identical initial weights."""
+    dtype = DTYPES[model.dtype]
+    if model.path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, dtype=dtype)
+    config = hf_config(model, tokenizer.vocab_size, tokenizer.pad_token_id, tokenizer.bos_token_id,
+                       tokenizer.eos_token_id)
+    _, model_cls = _ARCH[model.arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        built = model_cls(config)
+    return built.to(dtype)

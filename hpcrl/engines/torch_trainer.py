@@ -1,0 +1,114 @@
+"""The torch training engine: DDP over the role's data-parallel group, AdamW, PPO-style updates.
+
+It is the default on CPU (gloo) and runs unchanged on GPUs (NCCL). The loss is a plain function
+from hpcrl.algos; this class only owns the model, the optimizer and the minibatch loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hpcrl.algos import aggregate_loss, gspo_loss, kl_penalty, ppo_clip_loss
+from hpcrl.config.job import JobConfig
+from hpcrl.engines.batch import pack, response_logprobs, right_pad
+
+
+@dataclass
+class Samples:
+    """A DP shard of the rollout batch, as it arrives over MPI: plain lists, one entry per sample."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    columns: dict[str, list[list[float]]]  # per-token values: old_logprobs, ref_logprobs, advantages, ...
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))
+
+
+class TorchTrainer:
+    """Holds one model replica per DP rank; gradients are averaged by DDP over `dp_group`."""
+
+    def __init__(self, model: torch.nn.Module, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
+                 trainable: bool = True):
+        self.model = model
+        self.job = job
+        self.pad_id = pad_id
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.optimizer = None
+        if trainable:
+            model.train()
+            if self.dp_size > 1:
+                self.model = DistributedDataParallel(model, process_group=dp_group)
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr,
+                                               weight_decay=job.train.weight_decay)
+        else:
+            model.requires_grad_(False)
+            model.eval()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probabilities of the responses under the current weights."""
+        batch = pack(prompt_ids, response_ids, self.pad_id)
+        logp, _ = response_logprobs(self.module, batch, self.job.rollout.temperature)
+        return [row[: len(r)] for row, r in zip(logp.tolist(), response_ids)]
+
+    def _global_tokens(self, mask: torch.Tensor) -> float:
+        """Valid tokens of this minibatch over all DP ranks: the denominator of the token mean."""
+        count = mask.sum().reshape(1)
+        if self.dp_size > 1:
+            dist.all_reduce(count, group=self.dp_group)
+        return float(count.item())
+
+    def train_step(self, samples: Samples) -> dict[str, float]:
+        """`ppo_epochs` passes over the shard, each in `minibatches` optimizer steps."""
+        algo, train = self.job.algorithm, self.job.train
+        batch = pack(samples.prompt_ids, samples.response_ids, self.pad_id)
+        token = {k: right_pad(v, 0.0, torch.float32) for k, v in samples.columns.items()}
+        width = batch["response_ids"].shape[1]
+        token = {k: v[:, :width] if v.shape[1] >= width else torch.nn.functional.pad(v, (0, width - v.shape[1]))
+                 for k, v in token.items()}
+        n = len(samples.prompt_ids)
+        if n % train.minibatches:
+            raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
+        history: dict[str, list[float]] = {}
+        for _ in range(train.ppo_epochs):
+            for index in torch.arange(n).chunk(train.minibatches):
+                mb = {k: v[index] for k, v in batch.items()}
+                mt = {k: v[index] for k, v in token.items()}
+                mask = mb["response_mask"]
+                global_tokens = self._global_tokens(mask)
+                logp, entropy = response_logprobs(self.model, mb, self.job.rollout.temperature, with_entropy=True)
+                loss_fn = gspo_loss if algo.policy_loss == "gspo" else ppo_clip_loss
+                extra = {"dual_clip_c": algo.dual_clip_c} if algo.policy_loss == "ppo_clip" else {}
+                policy, metrics = loss_fn(logp, mt["old_logprobs"], mt["advantages"], mask,
+                                          clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
+                                          global_token_count=global_tokens,
+                                          importance_weights=mt.get("importance_weights"), **extra)
+                loss = policy
+                if algo.kl_coef > 0 and "ref_logprobs" in mt:
+                    kl = aggregate_loss(kl_penalty(logp, mt["ref_logprobs"], algo.kl_estimator), mask,
+                                        algo.loss_agg, global_tokens)
+                    loss = loss + algo.kl_coef * kl
+                    metrics["kl_loss"] = float(kl.detach()) * self.dp_size
+                if algo.entropy_coef > 0:
+                    loss = loss - algo.entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, global_tokens)
+                # DDP averages gradients over DP ranks; each rank's loss is a share of the global sum.
+                self.optimizer.zero_grad(set_to_none=True)
+                (loss * self.dp_size).backward()
+                if train.grad_clip is not None:
+                    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip))
+                self.optimizer.step()
+                metrics["loss"] = float(loss.detach()) * self.dp_size
+                metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+                for key, value in metrics.items():
+                    history.setdefault(key, []).append(float(value))
+        return {key: _mean(values) for key, values in history.items()}

@@ -1,0 +1,53 @@
+"""`hpcrl run`: the same job, on this machine, with `mpiexec` and the local profile."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from hpcrl.config import ClusterProfile, JobConfig
+from hpcrl.placement import Plan
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that belongs to the MPI mpi4py was installed with (the `mpich` wheel's, in the venv)."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("no mpiexec found: `pip install mpich` (or load your site's MPI module)")
+    return found
+
+
+def prepare_run_dir(job: JobConfig, plan: Plan, run_dir: Path) -> Path:
+    """Write the resolved job (what the ranks load) and the compiled plan into the run directory."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = run_dir / "job.yaml"
+    # Only what the user set: defaults that depend on other fields (a colocated role inherits its
+    # partner's parallel sizes) must stay unset for the ranks to resolve them the same way.
+    data = job.model_dump(mode="json", exclude_unset=True)
+    data.pop("sweep", None)
+    resolved.write_text(yaml.safe_dump(data, sort_keys=False))
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+    return resolved
+
+
+def runtime_command(python: str, resolved_job: Path, profile_path: str | None, run_dir: Path) -> list[str]:
+    """The command every rank runs; the launcher (mpiexec or srun) goes in front of it."""
+    command = [python, "-m", "hpcrl.runtime", "--job", str(resolved_job), "--run-dir", str(run_dir)]
+    if profile_path:
+        command += ["--cluster", str(profile_path)]
+    return command
+
+
+def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None, plan: Plan, run_dir: Path) -> int:
+    """Start the MPI world here and wait for it; returns its exit code."""
+    resolved = prepare_run_dir(job, plan, run_dir)
+    command = [mpiexec_path(), "-n", str(plan.world_size)]
+    command += runtime_command(sys.executable, resolved, profile_path, run_dir)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(command, env=env)

@@ -1,0 +1,325 @@
+"""compile_plan(job, profile): ROLL's AutoDeviceMapping done statically, before anything is submitted.
+
+Placement rules:
+
+- Roles with `placement: {nodes: "a-b"}` are placed first (in declaration order): they get the
+  slots of nodes a..b from the first device there that is free for them to the last device of node
+  b. A device is free for a role when no role already placed on it is active in a stage the role is
+  active in (a rollout-only role may time-share the devices of a train-only one; it is then
+  offloaded at the stage change). tp*pp*cp*dp must equal the number of slots so given.
+- The other roles without `colocate_with` follow in declaration order: each takes fresh slots (held
+  by no role), filling nodes in order and skipping the remainder of a node that cannot hold a whole
+  TP group, so that every TP group stays inside one node.
+- A role with `colocate_with: X` gets X's slots. Its tp*pp*cp*dp must equal X's; when it gives no
+  `parallel` at all it takes X's parallel sizes.
+
+Then every role is checked: TP groups inside one node, no two roles outside one colocation group
+active on one slot in the same stage, ep dividing dp, and the memory estimate within the device.
+
+Per stage, a role is offloaded at the stage change when it is inactive but shares a slot with an
+active role. Memory counts a role on a device in a stage when it is active there, or when it has its
+slots to itself (it then stays resident while idle); an inactive role sharing its slots waits in host
+memory and counts 0 (see plan.on_device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcrl.config.cluster import ClusterProfile
+from hpcrl.config.job import JobConfig, Parallel
+from hpcrl.placement.errors import PlacementError
+from hpcrl.placement.memory import GIB, MemoryEstimate, ModelShape, estimate_role_memory
+from hpcrl.placement.plan import STAGES, Plan, RolePlan, StagePlan, on_device
+from hpcrl.placement.rank_groups import megatron_groups
+
+
+@dataclass(frozen=True)
+class _Role:
+    name: str
+    engine: str
+    parallel: Parallel
+    stages: tuple[str, ...]
+    colocate_with: str | None
+    nodes: str | None  # explicit placement.nodes
+
+    @property
+    def world(self) -> int:
+        return self.parallel.world
+
+    @property
+    def sizes(self) -> str:
+        return f"tp*pp*cp*dp = {self.world}"
+
+    @property
+    def factors(self) -> str:
+        p = self.parallel
+        return f"tp {p.tp}, pp {p.pp}, cp {p.cp}, dp {p.dp}"
+
+
+def _describe_slot(slot: int, per_node: int) -> str:
+    return f"slot {slot} (node {slot // per_node}, device {slot % per_node})"
+
+
+def _resolve_roles(job: JobConfig) -> dict[str, _Role]:
+    """Each role's parallel sizes, stages and colocation target, with the colocation links checked."""
+    configs = dict(job.roles.items())
+    for name, config in configs.items():
+        target = config.colocate_with
+        if target is None:
+            continue
+        if target == name:
+            raise PlacementError(f"roles.{name}.colocate_with: a role cannot colocate with itself")
+        if target not in configs:
+            raise PlacementError(f"roles.{name}.colocate_with: {target!r} is not a role of this job "
+                                 f"(roles: {', '.join(configs)})")
+        if config.placement is not None:
+            raise PlacementError(f"roles.{name}: give either placement or colocate_with, not both "
+                                 f"(a colocated role uses the slots of {target})")
+        chain, current = [name], target
+        while current is not None:
+            if current in chain:
+                raise PlacementError(f"roles.{name}.colocate_with: colocation cycle {' -> '.join(chain + [current])}; "
+                                     "one role of the cycle must be placed on its own")
+            chain.append(current)
+            current = configs[current].colocate_with
+
+    def parallel_of(name: str) -> Parallel:
+        config = configs[name]
+        if config.colocate_with is not None and "parallel" not in config.model_fields_set:
+            return parallel_of(config.colocate_with)
+        return config.parallel
+
+    return {name: _Role(name=name, engine=job.engine(name), parallel=parallel_of(name), stages=job.stages(name),
+                        colocate_with=config.colocate_with,
+                        nodes=config.placement.nodes if config.placement is not None else None)
+            for name, config in configs.items()}
+
+
+def _check_parallel(roles: dict[str, _Role], profile: ClusterProfile) -> None:
+    for role in roles.values():
+        p = role.parallel
+        if p.dp % p.ep:
+            raise PlacementError(f"roles.{role.name}.parallel: ep = {p.ep} does not divide dp = {p.dp}; "
+                                 "expert-parallel groups split the data-parallel ranks, so dp must be a multiple of ep")
+        if p.tp > profile.devices_per_node:
+            raise PlacementError(f"roles.{role.name}.parallel: tp = {p.tp} but a node of cluster {profile.name} has "
+                                 f"{profile.devices_per_node} devices, so a TP group would cross nodes; keep "
+                                 f"tp <= {profile.devices_per_node} and raise pp or dp instead")
+
+
+class _Placer:
+    """Assigns slots to roles in the order described in the module docstring."""
+
+    def __init__(self, roles: dict[str, _Role], profile: ClusterProfile):
+        self.roles = roles
+        self.profile = profile
+        self.per_node = profile.devices_per_node
+        self.slots: dict[str, list[int]] = {}
+
+    def run(self) -> dict[str, list[int]]:
+        own = [r for r in self.roles.values() if r.colocate_with is None]
+        for role in [r for r in own if r.nodes is not None] + [r for r in own if r.nodes is None]:
+            self.slots[role.name] = self._explicit(role) if role.nodes is not None else self._default(role)
+            self._colocate()
+        return {name: self.slots[name] for name in self.roles}
+
+    def _holders(self, slot: int) -> list[str]:
+        return [name for name, slots in self.slots.items() if slot in slots]
+
+    def _colocate(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for role in self.roles.values():
+                target = role.colocate_with
+                if target is None or role.name in self.slots or target not in self.slots:
+                    continue
+                given = self.slots[target]
+                if role.world != len(given):
+                    raise PlacementError(
+                        f"roles.{role.name}.parallel: {role.sizes} but colocate_with: {target} gives "
+                        f"{len(given)} slots ({role.factors}); a colocated role must have the same world size as {target} "
+                        f"(e.g. drop parallel to inherit {target}'s, or set its dp to {len(given)} // (tp*pp*cp))")
+                self.slots[role.name] = list(given)
+                changed = True
+
+    def _explicit(self, role: _Role) -> list[int]:
+        text = role.nodes
+        first, _, last = text.partition("-")
+        first, last = int(first), int(last or first)
+        nodes = self.profile.nodes
+        if first > last:
+            raise PlacementError(f'roles.{role.name}.placement.nodes "{text}": the first node is after the last')
+        if last >= nodes:
+            raise PlacementError(
+                f'roles.{role.name}.placement.nodes "{text}": cluster {self.profile.name} has {nodes} node(s), '
+                f"0-{nodes - 1}; the job needs more slots than the cluster has. Use nodes within 0-{nodes - 1}, "
+                "lower the parallel sizes, or use a profile with more nodes")
+        span = range(first * self.per_node, (last + 1) * self.per_node)
+        busy: dict[int, list[str]] = {}
+        for slot in span:
+            clash = [h for h in self._holders(slot) if set(self.roles[h].stages) & set(role.stages)]
+            if clash:
+                busy[slot] = clash
+        free = [slot for slot in span if slot not in busy]
+        given = [slot for slot in span if free and slot >= free[0]]
+        if len(given) != role.world:
+            holders = sorted({h for hs in busy.values() for h in hs})
+            shared = [s for s in role.stages if any(s in self.roles[h].stages for h in holders)]
+            held = (f"{len(busy)} of its {len(span)} devices are held by {', '.join(holders)}, active in stage "
+                    f"{', '.join(shared)} too")
+            if not given:
+                raise PlacementError(
+                    f'roles.{role.name}.parallel: {role.sizes} but placement.nodes "{text}" gives 0 slots ({held}); '
+                    f"choose other nodes, or use colocate_with instead of placement to share a role's devices")
+            detail = f" ({held}; the role takes the devices from the first free one on)" if busy else ""
+            raise PlacementError(
+                f'roles.{role.name}.parallel: {role.sizes} but placement.nodes "{text}" gives {len(given)} slots'
+                f"{detail}; make tp*pp*cp*dp ({role.factors}) equal {len(given)} or change placement.nodes")
+        return given
+
+    def _default(self, role: _Role) -> list[int]:
+        tp, need = role.parallel.tp, role.world
+        chosen: list[int] = []
+        free_total = 0
+        for node in range(self.profile.nodes):
+            node_free = [s for s in range(node * self.per_node, (node + 1) * self.per_node) if not self._holders(s)]
+            free_total += len(node_free)
+            take = min(len(node_free) // tp * tp, need - len(chosen))
+            chosen += node_free[:take]
+        if len(chosen) < need:
+            usable = len(chosen)  # short of need, so this is every slot usable as whole TP groups
+            held = {s for slots in self.slots.values() for s in slots}
+            later = [r for r in self.roles.values() if r.colocate_with is None and r.nodes is None
+                     and r.name not in self.slots and r.name != role.name]
+            needed = len(held) + need + sum(r.world for r in later)
+            p = self.profile
+            whole = "" if usable == free_total else f" ({usable} of them usable as whole TP groups of {tp} in a node)"
+            after = f" after {', '.join(self.slots)}" if self.slots else ""
+            raise PlacementError(
+                f"roles.{role.name}.parallel: needs {role.sizes} slots ({role.factors}) but only {free_total} of the cluster's "
+                f"{p.slots} are free{after}{whole}. The job needs {needed} device slots and cluster {p.name} has "
+                f"{p.slots} ({p.nodes} node(s) x {p.devices_per_node} devices): lower dp (or tp/pp), share devices "
+                "with colocate_with, or use a profile with more nodes")
+        return chosen
+
+
+def _check_tp_in_node(roles: dict[str, _Role], slots: dict[str, list[int]], per_node: int) -> None:
+    for name, role in roles.items():
+        tp = role.parallel.tp
+        mine = slots[name]
+        for start in range(0, len(mine), tp):
+            group = mine[start:start + tp]
+            nodes = sorted({s // per_node for s in group})
+            if len(nodes) > 1:
+                how = (f"colocate_with: {role.colocate_with} gives slots {mine}" if role.colocate_with
+                       else f"its slots are {mine}")
+                raise PlacementError(
+                    f"roles.{name}.parallel: the TP group on slots {group} crosses nodes {', '.join(map(str, nodes))} "
+                    f"({how}); a TP group must stay inside one node: change tp or the placement")
+
+
+def _colocation_root(roles: dict[str, _Role], name: str) -> str:
+    while roles[name].colocate_with is not None:
+        name = roles[name].colocate_with
+    return name
+
+
+def _check_stage_conflicts(roles: dict[str, _Role], slots: dict[str, list[int]], per_node: int) -> None:
+    for stage in STAGES:
+        seen: dict[int, str] = {}
+        for name, role in roles.items():
+            if stage not in role.stages:
+                continue
+            for slot in slots[name]:
+                other = seen.get(slot)
+                if other is None:
+                    seen[slot] = name
+                elif _colocation_root(roles, other) != _colocation_root(roles, name):
+                    raise PlacementError(
+                        f"roles.{name}.placement: {name} and {other} are both active in stage {stage} on "
+                        f"{_describe_slot(slot, per_node)} but are not colocated; give them separate nodes "
+                        f"(placement.nodes), or set roles.{name}.colocate_with: {other} instead of a placement "
+                        "if they may share the devices")
+
+
+def _stage_plans(roles: dict[str, _Role], slots: dict[str, list[int]]) -> dict[str, StagePlan]:
+    stages = {}
+    for stage in STAGES:
+        active = {name: tuple(slots[name]) for name, role in roles.items() if stage in role.stages}
+        busy = {s for ss in active.values() for s in ss}
+        offload = tuple(name for name in roles if name not in active and busy & set(slots[name]))
+        stages[stage] = StagePlan(name=stage, active=active, offload=offload)
+    return stages
+
+
+def _on_device(name: str, stage: StagePlan, slots: dict[str, list[int]]) -> bool:
+    return on_device(name, stage.active, slots)
+
+
+def _check_memory(stages: dict[str, StagePlan], slots: dict[str, list[int]], memory: dict[str, MemoryEstimate],
+                  roles: dict[str, _Role], profile: ClusterProfile) -> dict[str, StagePlan]:
+    """Fill each stage's per-slot memory; reject the worst (stage, slot) when it is over the device."""
+    worst = None
+    filled = {}
+    for stage, plan in stages.items():
+        per_slot: dict[int, float] = {s: 0.0 for ss in slots.values() for s in ss}
+        for name, role_slots in slots.items():
+            if _on_device(name, plan, slots):
+                for slot in role_slots:
+                    per_slot[slot] += memory[name].total / GIB
+        for slot, total in sorted(per_slot.items()):
+            if worst is None or total > worst[0]:
+                worst = (total, stage, slot)
+        filled[stage] = StagePlan(name=stage, active=plan.active, offload=plan.offload, slot_memory_gb=per_slot)
+    if worst is not None and worst[0] > profile.device_memory_gb:
+        total, stage, slot = worst
+        resident = [n for n, ss in slots.items() if slot in ss and _on_device(n, stages[stage], slots)]
+        biggest = max(resident, key=lambda n: memory[n].total)
+        parts = " + ".join(f"{n} {memory[n].describe()}" for n in resident)
+        p = roles[biggest].parallel
+        fix = f"raise tp or pp of {biggest} (now tp*pp = {p.tp * p.pp})"
+        if memory[biggest].kv_cache:
+            fix += ", or lower train.prompts_per_step or model.max_position_embeddings (the KV cache)"
+        if len(resident) > 1:
+            fix += ", or place the roles on separate devices"
+        raise PlacementError(
+            f"roles.{biggest}.parallel: the memory estimate in stage {stage} is {total:.2f} GB on "
+            f"{_describe_slot(slot, profile.devices_per_node)}, over the device's {profile.device_memory_gb:g} GB "
+            f"(device_memory_gb of cluster {profile.name}): {parts}. Fix: {fix}")
+    return filled
+
+
+def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
+    """The static device map of `job` on `profile`; raises PlacementError naming the role and field."""
+    roles = _resolve_roles(job)
+    _check_parallel(roles, profile)
+    per_node = profile.devices_per_node
+    slots = _Placer(roles, profile).run()
+    _check_tp_in_node(roles, slots, per_node)
+    _check_stage_conflicts(roles, slots, per_node)
+
+    shape = ModelShape.from_model(job.model)
+    memory = {name: estimate_role_memory(name, job, shape, role.parallel) for name, role in roles.items()}
+    stages = _check_memory(_stage_plans(roles, slots), slots, memory, roles, profile)
+
+    used = sorted({s for ss in slots.values() for s in ss})
+    rank = {slot: 1 + index for index, slot in enumerate(used)}
+    role_plans = {}
+    for name, role in roles.items():
+        mine = slots[name]
+        p = role.parallel
+        local = megatron_groups(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp)
+        groups = {kind: [[mine[i] for i in group] for group in gs] for kind, gs in local.items()}
+        role_plans[name] = RolePlan(
+            name=name, engine=role.engine, parallel={"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "dp": p.dp},
+            slots=tuple(mine), ranks=tuple(rank[s] for s in mine),
+            nodes=tuple(sorted({s // per_node for s in mine})), groups=groups,
+            rank_groups={kind: [[rank[s] for s in group] for group in gs] for kind, gs in groups.items()},
+            stages=tuple(s for s in STAGES if s in role.stages), colocate_with=role.colocate_with,
+            memory=memory[name],
+            memory_gb={stage: memory[name].total / GIB if _on_device(name, stages[stage], slots) else 0.0
+                       for stage in STAGES})
+    return Plan(world_size=1 + len(used), nodes=profile.nodes, devices_per_node=per_node, roles=role_plans,
+                stages=stages, job=job.name, cluster=profile.name, device=profile.device,
+                device_memory_gb=profile.device_memory_gb)

@@ -1,0 +1,130 @@
+"""The compiled device map: which slots each role owns, its rank groups, and what each stage runs.
+
+World layout (the runtime relies on it): MPI rank 0 is the controller and owns no device slot. A
+slot is `node * devices_per_node + local_device`; the plan's used slots, sorted, are world ranks
+1..N in that order, so `world_size = 1 + len(used_slots)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.placement.memory import MemoryEstimate
+from hpcrl.placement.rank_groups import GROUP_KINDS
+
+STAGES = ("rollout", "reward", "logprobs", "train")
+CONTROLLER_RANK = 0
+
+
+def on_device(name: str, active, slots: dict[str, "list[int] | tuple[int, ...]"]) -> bool:
+    """Whether a role occupies device memory in a stage whose active roles are `active`: when it is
+    active, or when no other role shares its slots (it then stays resident while idle). An inactive
+    role that shares slots waits in host memory."""
+    if name in active:
+        return True
+    mine = set(slots[name])
+    return not any(mine & set(other) for n, other in slots.items() if n != name)
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """One role's devices and parallel layout. `groups` hold global slots, `rank_groups` world ranks."""
+
+    name: str
+    engine: str
+    parallel: dict[str, int]                 # tp, pp, cp, ep, dp
+    slots: tuple[int, ...]                   # local rank i of the role runs on slots[i]
+    ranks: tuple[int, ...]                   # world rank of slots[i]
+    nodes: tuple[int, ...]                   # nodes the slots are on, ascending
+    groups: dict[str, list[list[int]]]       # tp/pp/cp/ep/dp -> groups of global slots (Megatron order)
+    rank_groups: dict[str, list[list[int]]]  # the same groups as world ranks
+    stages: tuple[str, ...]                  # stages in which the role is active
+    colocate_with: str | None
+    memory: MemoryEstimate                   # the footprint on each device while resident
+    memory_gb: dict[str, float]              # stage -> GB per device (0 where offloaded to host)
+
+    @property
+    def world(self) -> int:
+        return len(self.slots)
+
+    @property
+    def node_range(self) -> str:
+        """The nodes as placement syntax, e.g. "0-1" (or "0,2" when not contiguous)."""
+        first, last = self.nodes[0], self.nodes[-1]
+        if list(self.nodes) == list(range(first, last + 1)):
+            return str(first) if first == last else f"{first}-{last}"
+        return ",".join(str(n) for n in self.nodes)
+
+    def local_rank(self, slot: int) -> int:
+        """The role-local rank (Megatron's global rank inside this role's world) of a slot."""
+        return self.slots.index(slot)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slots": list(self.slots), "ranks": list(self.ranks), "nodes": list(self.nodes),
+                "parallel": dict(self.parallel),
+                "groups": {kind: [list(g) for g in self.groups[kind]] for kind in GROUP_KINDS},
+                "memory_gb": {stage: round(self.memory_gb[stage], 6) for stage in STAGES}}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the roles active on which slots, and the roles to offload before it."""
+
+    name: str
+    active: dict[str, tuple[int, ...]]
+    offload: tuple[str, ...]
+    slot_memory_gb: dict[int, float] = field(default_factory=dict)  # used slot -> GB resident in this stage
+
+    def to_json(self) -> dict[str, Any]:
+        return {"active": {role: list(slots) for role, slots in self.active.items()},
+                "offload": list(self.offload)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static device map of one job on one cluster profile."""
+
+    world_size: int
+    nodes: int
+    devices_per_node: int
+    roles: dict[str, RolePlan]
+    stages: dict[str, StagePlan]
+    job: str = ""
+    cluster: str = ""
+    device: str = "cuda"
+    device_memory_gb: float = 0.0
+
+    @property
+    def used_slots(self) -> tuple[int, ...]:
+        return tuple(sorted({slot for role in self.roles.values() for slot in role.slots}))
+
+    def rank_of_slot(self, slot: int) -> int:
+        """World rank of a used slot: 1 + its index among the sorted used slots (rank 0 is the controller)."""
+        used = self.used_slots
+        if slot not in used:
+            raise KeyError(f"slot {slot} is not used by this plan (used: {list(used)})")
+        return 1 + used.index(slot)
+
+    def slot_of_rank(self, rank: int) -> int:
+        if not 1 <= rank < self.world_size:
+            raise KeyError(f"rank {rank} owns no slot (rank 0 is the controller; workers are 1..{self.world_size - 1})")
+        return self.used_slots[rank - 1]
+
+    def node_of_slot(self, slot: int) -> int:
+        return slot // self.devices_per_node
+
+    def roles_on_slot(self, slot: int) -> list[str]:
+        return [name for name, role in self.roles.items() if slot in role.slots]
+
+    def on_device(self, role: str, stage: str) -> bool:
+        """Whether `role` holds device memory during `stage` (see plan.on_device)."""
+        return on_device(role, self.stages[stage].active, {n: r.slots for n, r in self.roles.items()})
+
+    def roles_of_rank(self, rank: int) -> list[str]:
+        """The roles a worker rank hosts (empty for the controller)."""
+        return [] if rank == CONTROLLER_RANK else self.roles_on_slot(self.slot_of_rank(rank))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+                "roles": {name: role.to_json() for name, role in self.roles.items()},
+                "stages": {name: stage.to_json() for name, stage in self.stages.items()}}

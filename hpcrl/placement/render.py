@@ -1,0 +1,91 @@
+"""format_plan(plan): the device map as text, the way `hpcrl plan` prints it."""
+from __future__ import annotations
+
+from hpcrl.placement.memory import GIB, human_bytes
+from hpcrl.placement.plan import Plan
+from hpcrl.placement.rank_groups import GROUP_KINDS
+
+CODES = {"actor_train": "AT", "actor_infer": "AI", "reference": "REF", "critic": "CR", "reward": "RW", "env": "ENV"}
+
+
+def _runs(values) -> str:
+    """[0, 1, 2, 3, 5] -> '0-3,5'."""
+    values = list(values)
+    out, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            first, last = values[start], values[i - 1]
+            out.append(str(first) if first == last else f"{first}-{last}")
+            start = i
+    return ",".join(out)
+
+
+def _groups(groups: list[list[int]]) -> str:
+    if all(len(g) == 1 for g in groups):
+        return "size 1 (each rank on its own)"
+    return " ".join(f"[{_runs(g) if len(g) > 2 else ','.join(map(str, g))}]" for g in groups)
+
+
+def _grid(plan: Plan, cell) -> list[str]:
+    """One row per node, one column per device; `cell(slot)` gives the text of a slot."""
+    per_node = plan.devices_per_node
+    cells = [[cell(node * per_node + d) for d in range(per_node)] for node in range(plan.nodes)]
+    width = max(3, max(len(c) for row in cells for c in row))
+    label = len(f"node {plan.nodes - 1}")
+    lines = [("  " + " " * label + "  " + "  ".join(f"d{d}".ljust(width) for d in range(per_node))).rstrip()]
+    for node, row in enumerate(cells):
+        lines.append(f"  {f'node {node}'.ljust(label)}  " + "  ".join(c.ljust(width) for c in row).rstrip())
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """Per stage the nodes x devices grid with the role(s) on each slot, then each role's layout and memory."""
+    used = plan.used_slots
+    lines = [f"plan for job {plan.job or '?'} on cluster {plan.cluster or '?'}: {plan.nodes} node(s) x "
+             f"{plan.devices_per_node} {plan.device} devices, {plan.device_memory_gb:g} GB each",
+             f"world_size {plan.world_size}: rank 0 is the controller (no device); ranks 1-{plan.world_size - 1} "
+             f"on the {len(used)} used slots, in slot order"]
+    lines.append("")
+    lines.append("world rank of each slot")
+    lines += _grid(plan, lambda s: f"r{plan.rank_of_slot(s)}" if s in used else ".")
+
+    present = [name for name in CODES if name in plan.roles]
+    for stage in plan.stages.values():
+        lines.append("")
+        active = ", ".join(stage.active) or "none (controller only)"
+        peak = max(stage.slot_memory_gb.values(), default=0.0)
+        lines.append(f"stage {stage.name}: active {active}; offload at entry {', '.join(stage.offload) or '-'}; "
+                     f"peak {human_bytes(peak * GIB)} of {plan.device_memory_gb:g} GB per device")
+
+        def cell(slot: int, stage=stage) -> str:
+            codes = []
+            for name in plan.roles_on_slot(slot):
+                code = CODES[name]
+                if name in stage.active:
+                    codes.append(code)
+                elif plan.on_device(name, stage.name):
+                    codes.append(code.lower())
+                else:
+                    codes.append("~" + code.lower())
+            return "+".join(codes) or "."
+        lines += _grid(plan, cell)
+    lines.append("")
+    lines.append("legend: " + ", ".join(f"{CODES[n]} {n}" for n in present)
+                 + "; UPPER active, lower idle on the device, ~lower in host memory (a shared slot's inactive roles), . unused")
+
+    lines.append("")
+    lines.append("roles (groups in Megatron order tp-cp-ep-dp-pp, as world ranks)")
+    for name, role in plan.roles.items():
+        p = role.parallel
+        colocated = f", colocated with {role.colocate_with}" if role.colocate_with else ""
+        lines.append(f"  {name} ({role.engine}{colocated}): tp{p['tp']} pp{p['pp']} cp{p['cp']} ep{p['ep']} "
+                     f"dp{p['dp']} on node{'s' if len(role.nodes) > 1 else ''} {role.node_range}, slots {_runs(role.slots)}, ranks {_runs(role.ranks)}; "
+                     f"active in {', '.join(role.stages) or 'no stage'}")
+        for kind in GROUP_KINDS:
+            lines.append(f"    {kind:<3} {_groups(role.rank_groups[kind])}")
+        lines.append(f"    memory per device: {role.memory.describe()}")
+        by_stage = []
+        for stage, gb in role.memory_gb.items():
+            by_stage.append(f"{stage} {human_bytes(gb * GIB) if plan.on_device(name, stage) else '0 (in host memory)'}")
+        lines.append("    by stage: " + ", ".join(by_stage))
+    return "\n".join(lines) + "\n"

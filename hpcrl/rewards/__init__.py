@@ -1,0 +1,4 @@
+"""Reward functions: plain functions of (response text, reference answer) -> float."""
+from hpcrl.rewards.math import answer_reward
+
+__all__ = ["answer_reward"]

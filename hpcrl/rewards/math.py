@@ -1,0 +1,18 @@
+"""Rule-based reward for tasks whose answer is a number: the exact answer, then `<eos>`, earns 1.0.
+
+Partial credit per correct position (the end of the answer counts as a position) gives a random
+policy a little reward and GRPO a gradient to climb before the first exact answer is found.
+"""
+from __future__ import annotations
+
+END = "\0"
+
+
+def answer_reward(response: str, answer: str, stopped: bool, partial_credit: float = 0.5) -> float:
+    """1.0 for the exact answer followed by a stop; else `partial_credit` times the share of positions right."""
+    if response == answer and stopped:
+        return 1.0
+    got = response + (END if stopped else "")
+    want = answer + END
+    hits = sum(1 for g, w in zip(got, want) if g == w)
+    return partial_credit * hits / max(len(got), len(want))

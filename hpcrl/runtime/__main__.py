@@ -1,0 +1,88 @@
+"""Entry point of every MPI rank: `python -m hpcrl.runtime --job J --cluster C --run-dir D`.
+
+Rank 0 becomes the controller, every other rank a worker hosting the roles the plan gives it.
+Started by `hpcrl run` (mpiexec) or by the batch script of `hpcrl submit` (srun).
+"""
+from __future__ import annotations
+
+import argparse
+import traceback
+from pathlib import Path
+
+from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, report_and_wait
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.runtime", description=__doc__)
+    parser.add_argument("--job", required=True, help="the resolved job YAML written by the launcher")
+    parser.add_argument("--cluster", default=None, help="cluster profile YAML (default: the local profile)")
+    parser.add_argument("--run-dir", required=True)
+    return parser.parse_args(argv)
+
+
+def _load_on_controller(args: argparse.Namespace):
+    """Rank 0 reads and validates the files and compiles the plan; the others receive the result."""
+    from hpcrl.config import load_job, load_profile
+    from hpcrl.placement import compile_plan
+    from hpcrl.runtime.layout import world_layout
+
+    payload = None
+    if COMM.Get_rank() == CONTROLLER:
+        try:
+            job, profile = load_job(args.job), load_profile(args.cluster)
+            layout = world_layout(compile_plan(job, profile))
+            if layout.world_size != COMM.Get_size():
+                raise SystemExit(f"hpcrl: the plan needs {layout.world_size} ranks (1 controller + "
+                                 f"{layout.world_size - 1} workers) but {COMM.Get_size()} were started")
+            payload = (job, profile, layout)
+        except BaseException:
+            payload = traceback.format_exc()
+    payload = COMM.bcast(payload, root=CONTROLLER)
+    if isinstance(payload, str):
+        if COMM.Get_rank() == CONTROLLER:
+            abort(f"hpcrl: the controller could not start:\n{payload}")
+        COMM.Barrier()  # wait for the abort
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    job, profile, layout = _load_on_controller(args)
+    import torch.distributed as dist
+
+    from hpcrl.data import load_tokenizer
+    from hpcrl.runtime.groups import build_process_groups
+    from hpcrl.runtime.mpi_world import init_torch_distributed, set_cpu_threads
+    from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
+
+    rank = COMM.Get_rank()
+    role = "controller" if rank == CONTROLLER else ",".join(layout.roles_on(rank))
+    try:
+        set_cpu_threads()
+        init_torch_distributed("nccl" if profile.device == "cuda" else "gloo")
+        groups = build_process_groups(layout, rank)
+        tokenizer = load_tokenizer(job.model.path)
+        if rank == CONTROLLER:
+            from hpcrl.runtime.controller import Controller
+
+            controller = Controller(job, layout, tokenizer, Path(args.run_dir))
+            controller.run()
+            controller.shutdown()
+        else:
+            from hpcrl.runtime.worker import serve
+
+            peers: dict[str, object] = {}
+            for name in layout.roles_on(rank):
+                ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], groups.sync,
+                                  groups.sync_src, peers)
+                peers[name] = ROLE_CLASSES[name](ctx)
+            serve(peers)
+        dist.destroy_process_group()
+    except BaseException:
+        if rank == CONTROLLER:
+            abort(f"hpcrl: the controller (rank 0) failed:\n{traceback.format_exc()}\nhpcrl: aborting all ranks.")
+        report_and_wait(role, "setup")
+
+
+if __name__ == "__main__":
+    main()

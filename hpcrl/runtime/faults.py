@@ -1,0 +1,26 @@
+"""Deliberate failures for testing recovery: `HPCRL_INJECT_FAULT=RANK:METHOD:N[:KIND]`.
+
+The N-th call of METHOD on rank RANK raises (KIND `raise`, the default) or kills the process
+(`exit`: no Python cleanup, as a segfault or OOM kill would). Used by the fault-tolerance tests
+and by operators rehearsing a failure on a real cluster; unset, it costs one dict lookup.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+_calls: Counter[str] = Counter()
+
+
+def maybe_fail(rank: int, method: str) -> None:
+    spec = os.environ.get("HPCRL_INJECT_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or int(parts[0]) != rank or parts[1] != method:
+        return
+    _calls[method] += 1
+    if _calls[method] == int(parts[2]):
+        if len(parts) == 4 and parts[3] == "exit":
+            os._exit(3)
+        raise RuntimeError(f"injected fault: call {parts[2]} of {method} on rank {rank} (HPCRL_INJECT_FAULT)")

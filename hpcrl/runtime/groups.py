@@ -1,0 +1,41 @@
+"""torch.distributed process groups for the plan: one per DP group of each role, one for weight sync.
+
+`new_group` is collective over the whole world, so every rank (the controller too) builds the
+same groups in the same order and keeps the ones it belongs to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from hpcrl.runtime.layout import WorldLayout
+
+
+@dataclass
+class ProcessGroups:
+    dp: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)  # role -> this rank's DP group
+    dp_index: dict[str, int] = field(default_factory=dict)                 # role -> this rank's DP index
+    sync: dist.ProcessGroup | None = None
+    sync_src: int = -1
+
+
+def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    return dist.new_group(ranks) if len(ranks) > 1 else None
+
+
+def build_process_groups(layout: WorldLayout, rank: int) -> ProcessGroups:
+    groups = ProcessGroups()
+    for name, role in layout.roles.items():
+        for ranks in role.dp_groups:
+            group = _new_group(ranks)
+            if rank in ranks:
+                groups.dp[name] = group
+                groups.dp_index[name] = ranks.index(rank)
+    receivers = layout.sync_receivers()
+    groups.sync_src = layout.roles["actor_train"].source
+    members = [groups.sync_src] + receivers
+    sync = _new_group(members) if receivers else None
+    if rank in members:
+        groups.sync = sync
+    return groups

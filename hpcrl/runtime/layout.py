@@ -1,0 +1,41 @@
+"""The compiled plan seen from inside the job: which world ranks host which role, and its groups.
+
+Nothing here decides placement: it keeps the part of the plan the ranks need, in picklable form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcrl.placement import Plan
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    name: str
+    ranks: list[int]
+    dp_groups: list[list[int]]
+
+    @property
+    def source(self) -> int:
+        """The rank that owns a full copy of the weights (first rank of the first DP replica)."""
+        return self.dp_groups[0][0]
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    world_size: int
+    roles: dict[str, RoleLayout]
+
+    def roles_on(self, rank: int) -> list[str]:
+        return [name for name, role in self.roles.items() if rank in role.ranks]
+
+    def sync_receivers(self) -> list[int]:
+        """Rollout ranks that need the trainer's weights sent (those not sharing a rank with it)."""
+        train = set(self.roles["actor_train"].ranks)
+        return [r for r in self.roles["actor_infer"].ranks if r not in train]
+
+
+def world_layout(plan: Plan) -> WorldLayout:
+    roles = {name: RoleLayout(name, list(role.ranks), [list(g) for g in role.rank_groups["dp"]])
+             for name, role in plan.roles.items()}
+    return WorldLayout(plan.world_size, roles)

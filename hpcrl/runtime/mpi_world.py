@@ -1,0 +1,84 @@
+"""The MPI world and the torch.distributed world over it, and how a failure takes both down."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+from mpi4py import MPI
+
+from hpcrl.runtime.messages import TAG_ERROR, ErrorReport
+
+COMM = MPI.COMM_WORLD
+CONTROLLER = 0
+
+
+def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any, int, int]:
+    """Receive without spinning: probe, then sleep with back-off up to 5 ms.
+
+    Ranks are often oversubscribed (4 ranks on 2 cores here, or idle ranks beside busy ones on a
+    GPU node); a blocking MPI receive busy-polls and would steal the CPU the busy ranks need.
+    Returns (object, source, tag).
+    """
+    status = MPI.Status()
+    delay = 1e-4
+    while not COMM.Iprobe(source=source, tag=tag, status=status):
+        time.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+    obj = COMM.recv(source=status.Get_source(), tag=status.Get_tag())
+    return obj, status.Get_source(), status.Get_tag()
+
+
+def abort(message: str, code: int = 1) -> None:
+    """Print on this rank and end every rank of the world now."""
+    print(message, file=sys.stderr, flush=True)
+    COMM.Abort(code)
+
+
+def report_and_wait(role: str, method: str) -> None:
+    """On a worker: send the current exception to the controller, which aborts the world.
+
+    If the controller does not abort within 20 s (it may be stuck itself), abort from here.
+    """
+    report = ErrorReport(COMM.Get_rank(), role, method, traceback.format_exc())
+    COMM.send(report, dest=CONTROLLER, tag=TAG_ERROR)
+    time.sleep(20)
+    abort(report.describe())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
+    """Start torch.distributed on the same ranks as MPI; rank 0 publishes the rendezvous address."""
+    import torch.distributed as dist
+
+    address = None
+    if COMM.Get_rank() == CONTROLLER:
+        address = (socket.gethostname() if COMM.Get_size() > 1 else "127.0.0.1", _free_port())
+    host, port = COMM.bcast(address, root=CONTROLLER)
+    if _same_host_everywhere():
+        host = "127.0.0.1"
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=COMM.Get_rank(),
+                            world_size=COMM.Get_size(), timeout=timedelta(seconds=timeout_s))
+
+
+def _same_host_everywhere() -> bool:
+    return len(set(COMM.allgather(socket.gethostname()))) == 1
+
+
+def set_cpu_threads() -> None:
+    """Share the node's cores among the ranks on it, so oversubscribed ranks don't thrash."""
+    import torch
+
+    local = COMM.Split_type(MPI.COMM_TYPE_SHARED)
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores // local.Get_size()))
+    local.Free()

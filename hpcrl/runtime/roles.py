@@ -1,0 +1,121 @@
+"""The roles a worker rank can host. Each public method is callable by the controller."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.config.job import JobConfig
+from hpcrl.engines.hf_model import build_model
+from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
+from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+from hpcrl.rewards import answer_reward
+from hpcrl.runtime.weight_sync import broadcast_parameters, copy_parameters, weights_digest
+
+Batch = dict[str, list]
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """What a role needs from the rank hosting it."""
+
+    job: JobConfig
+    tokenizer: object
+    dp_group: dist.ProcessGroup | None
+    dp_index: int
+    sync_group: dist.ProcessGroup | None
+    sync_src: int
+    peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
+
+
+def sample_generator(seed: int, step: int, replica: int) -> torch.Generator:
+    """Sampling randomness as a pure function of (seed, step, replica): resumable and reproducible."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + replica)
+
+
+class ActorTrain:
+    def __init__(self, ctx: RoleContext):
+        job = ctx.job
+        self.ctx = ctx
+        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed), job, ctx.tokenizer.pad_token_id,
+                                    ctx.dp_group)
+
+    def logprobs(self, batch: Batch) -> Batch:
+        return {"old_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
+
+    def train_step(self, batch: Batch) -> Batch:
+        columns = {k: batch[k] for k in ("old_logprobs", "ref_logprobs", "advantages", "importance_weights")
+                   if k in batch}
+        metrics = self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns))
+        return {"metrics": [metrics]}
+
+    def send_weights(self) -> int:
+        """Only the sync source sends; the other replicas hold the same weights and have nothing to do."""
+        ctx = self.ctx
+        if ctx.sync_group is None or dist.get_rank() != ctx.sync_src:
+            return 0
+        return broadcast_parameters(self.trainer.module, ctx.sync_src, ctx.sync_group)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.trainer.module
+
+    def digest(self) -> str:
+        return weights_digest(self.trainer.module)
+
+
+class Reference:
+    """A frozen copy of the initial policy, for the KL penalty."""
+
+    def __init__(self, ctx: RoleContext):
+        job = ctx.job
+        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed), job, ctx.tokenizer.pad_token_id,
+                                    ctx.dp_group, trainable=False)
+
+    def logprobs(self, batch: Batch) -> Batch:
+        return {"ref_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
+
+
+class ActorInfer:
+    def __init__(self, ctx: RoleContext):
+        job = self.job = ctx.job
+        self.ctx = ctx
+        self.model = build_model(job.model, ctx.tokenizer, job.seed)
+        self.model.requires_grad_(False)
+        self.sampler = NativeSampler(self.model, ctx.tokenizer.eos_token_id, ctx.tokenizer.pad_token_id)
+        rollout = job.rollout
+        self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+
+    def generate(self, batch: Batch, step: int) -> Batch:
+        generator = sample_generator(self.job.seed, step, self.ctx.dp_index)
+        responses, logprobs = self.sampler.generate(batch["prompt_ids"], self.params, generator)
+        return {"response_ids": responses, "behaviour_logprobs": logprobs}
+
+    def receive_weights(self) -> int:
+        local_trainer = self.ctx.peers.get("actor_train")
+        if local_trainer is not None:
+            copy_parameters(local_trainer.module, self.model)
+            return 0
+        return broadcast_parameters(self.model, self.ctx.sync_src, self.ctx.sync_group)
+
+    def digest(self) -> str:
+        return weights_digest(self.model)
+
+
+class Reward:
+    """Rule-based reward on a worker (when the job places a `reward` role; else the controller scores)."""
+
+    def __init__(self, ctx: RoleContext):
+        self.tokenizer = ctx.tokenizer
+
+    def score(self, batch: Batch) -> Batch:
+        return {"rewards": score_responses(self.tokenizer, batch["response_ids"], batch["answers"])}
+
+
+def score_responses(tokenizer, responses: list[list[int]], answers: list[str]) -> list[float]:
+    return [answer_reward(tokenizer.decode(r), a, stopped=bool(r) and r[-1] == tokenizer.eos_token_id)
+            for r, a in zip(responses, answers)]
+
+
+ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "actor_infer": ActorInfer, "reward": Reward}

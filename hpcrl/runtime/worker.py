@@ -1,0 +1,25 @@
+"""The worker loop: host the roles the plan gives this rank and run what the controller calls."""
+from __future__ import annotations
+
+from typing import Any
+
+from hpcrl.runtime.faults import maybe_fail
+from hpcrl.runtime.messages import SHUTDOWN, TAG_CALL, TAG_REPLY, Call, Reply
+from hpcrl.runtime.mpi_world import COMM, CONTROLLER, poll_recv, report_and_wait
+
+
+def serve(roles: dict[str, Any]) -> None:
+    """Answer calls until the controller says shutdown. An exception is reported, then the world aborts."""
+    while True:
+        call, _, _ = poll_recv(source=CONTROLLER, tag=TAG_CALL)
+        assert isinstance(call, Call)
+        if call.method == SHUTDOWN:
+            COMM.send(Reply(call.call_id, None), dest=CONTROLLER, tag=TAG_REPLY)
+            return
+        try:
+            maybe_fail(COMM.Get_rank(), call.method)
+            result = getattr(roles[call.role], call.method)(*call.args)
+        except BaseException:
+            report_and_wait(call.role, call.method)
+            return
+        COMM.send(Reply(call.call_id, result), dest=CONTROLLER, tag=TAG_REPLY)

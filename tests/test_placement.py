@@ -1,0 +1,362 @@
+"""hpcrl.placement: Megatron rank groups, the device map of the shipped jobs, and every rejection."""
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.metadata
+import json
+import subprocess
+import sys
+from itertools import product
+
+import pytest
+
+from hpcrl.config import ClusterProfile, JobConfig, REPO_ROOT, load_job, load_profile, validate
+from hpcrl.placement import PlacementError, Plan, compile_plan, format_plan
+from hpcrl.placement.memory import ModelShape, count_parameters
+from hpcrl.placement.rank_groups import ORDER, RankGenerator, megatron_groups
+
+TINY_JOB = REPO_ROOT / "jobs" / "tiny_grpo.yaml"
+BIG_JOB = REPO_ROOT / "jobs" / "qwen2.5-7b-grpo.yaml"
+BIG_CLUSTER = REPO_ROOT / "clusters" / "example-4x8-h100.yaml"
+
+
+def singletons(n):
+    return [[i] for i in range(n)]
+
+
+# Megatron's groups for order "tp-cp-ep-dp-pp", written out (and checked against megatron-core 0.16.1).
+# (tp, pp, cp, ep, dp) -> groups of local ranks.
+DENSE_TABLE = {
+    (2, 2, 1, 1, 2): {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                      "cp": singletons(8), "ep": singletons(8), "dp": [[0, 2], [1, 3], [4, 6], [5, 7]]},
+    (4, 2, 1, 1, 2): {"tp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+                      "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+                      "cp": singletons(16), "ep": singletons(16),
+                      "dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]},
+    (2, 1, 2, 1, 2): {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": singletons(8),
+                      "cp": [[0, 2], [1, 3], [4, 6], [5, 7]], "ep": singletons(8), "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]},
+    (1, 4, 1, 1, 2): {"tp": singletons(8), "pp": [[0, 2, 4, 6], [1, 3, 5, 7]], "cp": singletons(8),
+                      "ep": singletons(8), "dp": [[0, 1], [2, 3], [4, 5], [6, 7]]},
+    (1, 1, 1, 1, 2): {"tp": singletons(2), "pp": singletons(2), "cp": singletons(2), "ep": singletons(2),
+                      "dp": [[0, 1]]},
+    # expert parallel: ep groups from the expert generator (etp = tp, edp = world / (tp*ep*pp), cp folded in)
+    (1, 1, 1, 2, 4): {"tp": singletons(4), "pp": singletons(4), "cp": singletons(4), "ep": [[0, 1], [2, 3]],
+                      "dp": [[0, 1, 2, 3]]},
+    (2, 1, 1, 2, 4): {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": singletons(8), "cp": singletons(8),
+                      "ep": [[0, 2], [1, 3], [4, 6], [5, 7]], "dp": [[0, 2, 4, 6], [1, 3, 5, 7]]},
+    (1, 2, 2, 2, 2): {"tp": singletons(8), "pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                      "ep": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]]},
+}
+
+
+@pytest.mark.parametrize("sizes", list(DENSE_TABLE))
+def test_groups_match_the_written_out_megatron_table(sizes):
+    tp, pp, cp, ep, dp = sizes
+    assert megatron_groups(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp) == DENSE_TABLE[sizes]
+
+
+def test_rank_generator_combined_tokens():
+    gen = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order=ORDER)
+    assert gen.get_ranks("tp-pp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert gen.get_ranks("tp-dp-pp") == [list(range(8))]
+    assert RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=1, order="tp-dp", rank_offset=3).get_ranks("dp") == [[3, 5], [4, 6]]
+    with pytest.raises(ValueError, match="does not name it"):
+        RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-dp")
+
+
+def _real_megatron_rank_generator():
+    """megatron-core's own RankGenerator, taken from its installed parallel_state.py by source.
+
+    Importing megatron.core costs ~10 s (torch and much more), so the two pure-Python definitions
+    are extracted and executed as they are, which still compares against the real code."""
+    try:
+        dist = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("megatron-core is not installed (pip install megatron-core==0.16.1)")
+    source = dist.locate_file("megatron/core/parallel_state.py").read_text()
+    wanted = {"generate_masked_orthogonal_rank_groups", "RankGenerator"}
+    nodes = [n for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in wanted]
+    assert {n.name for n in nodes} == wanted
+    namespace = {"List": list, "Optional": None}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), "parallel_state.py", "exec"), namespace)
+    return namespace["RankGenerator"]
+
+
+def test_groups_match_real_megatron_core():
+    MegatronRankGenerator = _real_megatron_rank_generator()
+    checked = 0
+    for tp, pp, cp, ep, dp in product((1, 2, 4), (1, 2, 3), (1, 2), (1, 2, 4), (1, 2, 4, 6)):
+        if dp % ep:
+            continue
+        world = tp * pp * cp * dp
+        dense = MegatronRankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=ORDER)
+        expert = MegatronRankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order=ORDER)
+        ours = megatron_groups(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp)
+        for kind in ("tp", "pp", "cp", "dp"):
+            assert ours[kind] == dense.get_ranks(kind), (kind, tp, pp, cp, ep, dp)
+        assert ours["ep"] == expert.get_ranks("ep"), ("ep", tp, pp, cp, ep, dp)
+        ours_gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp)
+        for token in ("tp-pp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-cp-dp-pp"):
+            assert ours_gen.get_ranks(token) == dense.get_ranks(token), (token, tp, pp, cp, dp)
+        checked += 1
+    for sizes, expected in DENSE_TABLE.items():
+        tp, pp, cp, ep, dp = sizes
+        world = tp * pp * cp * dp
+        assert MegatronRankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=ORDER).get_ranks("dp") == expected["dp"]
+        assert MegatronRankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1,
+                                     order=ORDER).get_ranks("ep") == expected["ep"]
+    assert checked > 100
+
+
+# ---------------------------------------------------------------- jobs and profiles
+
+def job_dict(**roles) -> dict:
+    """A tiny job whose roles are given as raw mappings."""
+    return {"name": "t", "task": {"name": "addition"}, "roles": roles}
+
+
+def job(**roles) -> JobConfig:
+    return validate(JobConfig, job_dict(**roles), "test")
+
+
+def cluster(nodes=1, devices=4, memory=80.0) -> ClusterProfile:
+    return validate(ClusterProfile, {"name": "c", "scheduler": "local", "nodes": nodes, "devices_per_node": devices,
+                                     "device": "cpu", "device_memory_gb": memory}, "test")
+
+
+def big(overrides: list[str] | None = None) -> Plan:
+    return compile_plan(load_job(BIG_JOB, overrides), load_profile(BIG_CLUSTER))
+
+
+def test_tiny_job_plan():
+    plan = compile_plan(load_job(TINY_JOB), load_profile())
+    assert plan.world_size == 4
+    assert (plan.nodes, plan.devices_per_node) == (1, 4)
+    train, infer, ref = plan.roles["actor_train"], plan.roles["actor_infer"], plan.roles["reference"]
+    assert list(plan.roles) == ["actor_train", "actor_infer", "reference"]
+    assert (train.slots, train.ranks, train.nodes) == ((0, 1), (1, 2), (0,))
+    assert (ref.slots, ref.ranks) == ((0, 1), (1, 2))
+    assert ref.parallel == train.parallel == {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 2}  # inherited
+    assert (infer.slots, infer.ranks) == ((2,), (3,))
+    assert train.groups == {"tp": [[0], [1]], "pp": [[0], [1]], "cp": [[0], [1]], "ep": [[0], [1]], "dp": [[0, 1]]}
+    assert train.rank_groups["dp"] == [[1, 2]]
+    assert [plan.rank_of_slot(s) for s in (0, 1, 2)] == [1, 2, 3]
+    assert plan.slot_of_rank(3) == 2
+    assert plan.roles_of_rank(1) == ["actor_train", "reference"] and plan.roles_of_rank(0) == []
+    with pytest.raises(KeyError, match="slot 3 is not used"):
+        plan.rank_of_slot(3)
+
+    stages = plan.to_json()["stages"]
+    assert list(stages) == ["rollout", "reward", "logprobs", "train"]
+    assert stages["rollout"] == {"active": {"actor_infer": [2]}, "offload": []}
+    assert stages["reward"] == {"active": {}, "offload": []}
+    assert stages["logprobs"] == {"active": {"actor_train": [0, 1], "reference": [0, 1]}, "offload": []}
+    assert stages["train"] == {"active": {"actor_train": [0, 1]}, "offload": ["reference"]}
+    assert train.memory_gb["train"] > 0 and ref.memory_gb["train"] == 0 and ref.memory_gb["logprobs"] > 0
+    assert infer.memory_gb["train"] == infer.memory_gb["rollout"] > 0  # alone on its slot: stays resident
+
+
+def test_json_shape():
+    data = json.loads(json.dumps(compile_plan(load_job(TINY_JOB), load_profile()).to_json()))
+    assert set(data) == {"world_size", "nodes", "devices_per_node", "roles", "stages"}
+    assert (data["world_size"], data["nodes"], data["devices_per_node"]) == (4, 1, 4)
+    role = data["roles"]["actor_train"]
+    assert set(role) == {"slots", "ranks", "nodes", "parallel", "groups", "memory_gb"}
+    assert set(role["groups"]) == {"tp", "pp", "cp", "ep", "dp"}
+    assert set(role["memory_gb"]) == {"rollout", "reward", "logprobs", "train"}
+    assert role["nodes"] == [0] and role["parallel"]["dp"] == 2
+    assert set(data["stages"]["train"]) == {"active", "offload"}
+
+
+def test_qwen_7b_example_plan():
+    plan = big()
+    assert plan.world_size == 33
+    train, infer, ref = plan.roles["actor_train"], plan.roles["actor_infer"], plan.roles["reference"]
+    assert train.slots == tuple(range(16)) and train.ranks == tuple(range(1, 17)) and train.nodes == (0, 1)
+    assert infer.slots == tuple(range(16, 32)) and infer.ranks == tuple(range(17, 33)) and infer.nodes == (2, 3)
+    assert ref.slots == train.slots and ref.parallel == train.parallel
+    assert train.groups["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert train.groups["pp"] == [[i, i + 8] for i in range(8)]
+    assert train.groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert infer.groups["tp"] == [[16 + 2 * i, 17 + 2 * i] for i in range(8)]
+    assert infer.rank_groups["tp"][0] == [17, 18]
+    assert infer.groups["dp"] == [list(range(16, 32, 2)), list(range(17, 32, 2))]
+    for role in plan.roles.values():  # every TP group inside one node
+        assert all(len({s // 8 for s in g}) == 1 for g in role.groups["tp"])
+    assert plan.stages["train"].offload == ("reference",)
+    assert plan.stages["rollout"].active == {"actor_infer": tuple(range(16, 32))}
+    # 7.6B params: actor_train 16 B/param / (tp*pp = 8) = 14.2 GB; reference 2 B/param / 8 = 1.8 GB
+    assert 14.0 < train.memory_gb["train"] < 14.4
+    assert 1.7 < ref.memory_gb["logprobs"] < 1.8 and ref.memory_gb["train"] == 0
+    assert max(plan.stages["logprobs"].slot_memory_gb.values()) < 80
+    # vLLM tp2: weights 7.1 GB + KV 64 seqs x 4096 tokens x 2*28*2*128*2 B = 7.0 GB
+    assert 14.0 < infer.memory_gb["rollout"] < 14.2
+
+
+def test_qwen_7b_parameter_count_and_hf_config(tmp_path):
+    shape = ModelShape.from_model(load_job(BIG_JOB).model)
+    assert count_parameters(shape) == 7_615_616_512  # Qwen2.5-7B as published
+    config = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+              "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+              "tie_word_embeddings": False, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_path = load_job(BIG_JOB, [f"model.path={tmp_path}"]).model
+    assert count_parameters(ModelShape.from_model(from_path)) == 7_615_616_512
+    assert ModelShape.from_model(from_path).max_position_embeddings == 4096  # the job's explicit cap
+    tiny = ModelShape.from_model(load_job(TINY_JOB).model)
+    # vocab 256 (unset), tied: 256*64 + 2 * (64*64+64 + 2*(64*32+32) + 64*64 + 3*64*128 + 2*64) + 64
+    assert count_parameters(tiny) == 256 * 64 + 2 * (4160 + 2 * 2080 + 4096 + 24576 + 128) + 64
+    assert count_parameters(tiny, head="value") == count_parameters(tiny) + 65
+
+
+def test_explicit_nodes_time_share_with_offload():
+    plan = big(["roles.actor_train.placement.nodes=0-1", "roles.actor_infer.placement.nodes=0-1",
+                "roles.actor_infer.parallel.dp=8"])
+    assert plan.world_size == 17
+    assert plan.roles["actor_infer"].slots == plan.roles["actor_train"].slots == tuple(range(16))
+    assert plan.stages["rollout"].offload == ("actor_train", "reference")
+    assert plan.stages["logprobs"].offload == ("actor_infer",)
+    assert plan.stages["train"].offload == ("actor_infer", "reference")
+    assert plan.roles["actor_infer"].memory_gb["train"] == 0
+
+
+def test_explicit_nodes_and_default_fill_skip_partial_tp_groups():
+    plan = compile_plan(job(actor_train={"parallel": {"dp": 3}}, actor_infer={"parallel": {"tp": 2, "dp": 2}},
+                            reward={"placement": {"nodes": "2"}, "parallel": {"dp": 4}}), cluster(nodes=3))
+    assert plan.roles["reward"].slots == (8, 9, 10, 11)  # explicit roles are placed first
+    assert plan.roles["actor_train"].slots == (0, 1, 2)
+    assert plan.roles["actor_infer"].slots == (4, 5, 6, 7)  # slot 3 cannot hold a TP group of 2
+    assert plan.world_size == 1 + 3 + 4 + 4 and plan.rank_of_slot(4) == 4
+    assert plan.roles["reward"].memory_gb == {s: 0.0 for s in ("rollout", "reward", "logprobs", "train")}
+
+
+def test_format_plan_tiny():
+    text = format_plan(compile_plan(load_job(TINY_JOB), load_profile()))
+    assert "world_size 4" in text
+    assert "stage train: active actor_train; offload at entry reference" in text
+    assert "node 0  AT+~ref  AT+~ref  ai" in text
+    assert "node 0  AT+REF  AT+REF  ai" in text
+    assert "actor_train (torch): tp1 pp1 cp1 ep1 dp2 on node 0, slots 0-1, ranks 1-2" in text
+    assert "dp  [1,2]" in text
+
+
+def test_format_plan_big_and_cli(capsys):
+    from hpcrl.placement.__main__ import main
+    assert main([str(BIG_JOB), "--cluster", str(BIG_CLUSTER)]) == 0
+    out = capsys.readouterr().out
+    assert "node 3  AI   " in out and "tp  [1-4] [5-8] [9-12] [13-16]" in out
+    assert main([str(BIG_JOB), "--cluster", str(BIG_CLUSTER), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 33
+    assert main([str(TINY_JOB), "--set", "roles.actor_train.parallel.dp=4"]) == 2
+    assert "needs tp*pp*cp*dp = 1 slots" in capsys.readouterr().err
+
+
+def test_placement_does_not_import_torch():
+    code = "import sys, hpcrl.placement, hpcrl.placement.__main__; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+# ---------------------------------------------------------------- rejections
+
+def rejects(match: str, job_config: JobConfig, profile: ClusterProfile) -> str:
+    with pytest.raises(PlacementError) as info:
+        compile_plan(job_config, profile)
+    message = str(info.value)
+    assert match in message, message
+    return message
+
+
+def test_rejects_world_size_not_matching_explicit_nodes():
+    rejects('roles.actor_train.parallel: tp*pp*cp*dp = 8 but placement.nodes "0" gives 4 slots',
+            job(actor_train={"parallel": {"dp": 8}, "placement": {"nodes": "0"}}, actor_infer={}), cluster(nodes=3))
+
+
+def test_rejects_explicit_nodes_held_in_the_same_stage():
+    message = rejects('roles.actor_infer.parallel: tp*pp*cp*dp = 4 but placement.nodes "0" gives 0 slots '
+                      "(4 of its 4 devices are held by actor_train, active in stage train too)",
+                      job(actor_train={"parallel": {"dp": 4}, "placement": {"nodes": "0"}},
+                          actor_infer={"parallel": {"dp": 4}, "placement": {"nodes": "0"}, "stages": ["rollout", "train"]}),
+                      cluster(nodes=2))
+    assert "colocate_with" in message
+
+
+def test_rejects_colocated_world_size_mismatch():
+    message = rejects("roles.reference.parallel: tp*pp*cp*dp = 1 but colocate_with: actor_train gives 2 slots",
+                      job(actor_train={"parallel": {"dp": 2}}, actor_infer={},
+                          reference={"parallel": {"dp": 1}, "colocate_with": "actor_train"}), cluster())
+    assert "same world size" in message
+
+
+def test_rejects_tp_larger_than_a_node():
+    message = rejects("roles.actor_infer.parallel: tp = 8 but a node of cluster c has 4 devices",
+                      job(actor_train={}, actor_infer={"parallel": {"tp": 8}}), cluster(nodes=2))
+    assert "cross nodes" in message
+
+
+def test_rejects_tp_group_crossing_nodes():
+    # actor_train fills slots 0-2, actor_infer gets 3 and 4 (tp 1: fine); critic (tp 2) on those crosses nodes
+    message = rejects("roles.critic.parallel: the TP group on slots [3, 4] crosses nodes 0, 1",
+                      job(actor_train={"parallel": {"dp": 3}}, actor_infer={"parallel": {"dp": 2}},
+                          critic={"parallel": {"tp": 2}, "colocate_with": "actor_infer"}), cluster(nodes=2))
+    assert "inside one node" in message
+
+
+def test_rejects_two_roles_active_on_one_slot_in_a_stage():
+    # actor_infer (rollout) on node 1; actor_train (train) on node 0; critic (rollout) on nodes 0-1 starts
+    # at slot 0 (actor_train is not active in rollout) and so runs into actor_infer's slots in rollout.
+    rejects("roles.critic.placement: critic and actor_infer are both active in stage rollout on slot 4 "
+            "(node 1, device 0) but are not colocated",
+            job(actor_train={"parallel": {"dp": 4}, "placement": {"nodes": "0"}, "stages": ["train"]},
+                actor_infer={"parallel": {"dp": 4}, "placement": {"nodes": "1"}},
+                critic={"parallel": {"dp": 8}, "placement": {"nodes": "0-1"}, "stages": ["rollout"]}),
+            cluster(nodes=2))
+
+
+def test_rejects_more_slots_than_the_cluster_has():
+    message = rejects("roles.actor_infer.parallel: needs tp*pp*cp*dp = 1 slots",
+                      load_job(TINY_JOB, ["roles.actor_train.parallel.dp=4"]), load_profile())
+    assert "The job needs 5 device slots and cluster local has 4" in message
+    assert "more nodes" in message
+    message = rejects('roles.actor_infer.placement.nodes "4-5": cluster c has 4 node(s), 0-3',
+                      job(actor_train={}, actor_infer={"placement": {"nodes": "4-5"}}), cluster(nodes=4))
+    assert "more slots than the cluster has" in message
+
+
+def test_rejects_ep_not_dividing_dp():
+    rejects("roles.actor_train.parallel: ep = 4 does not divide dp = 2",
+            job(actor_train={"parallel": {"dp": 2, "ep": 4}}, actor_infer={}), cluster())
+
+
+def test_rejects_memory_over_the_device():
+    message = rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 127.67 GB on slot 0",
+                      load_job(BIG_JOB, ["roles.actor_train.parallel.tp=1", "roles.actor_train.parallel.pp=1",
+                                         "roles.actor_train.parallel.dp=16"]), load_profile(BIG_CLUSTER))
+    assert "over the device's 80 GB" in message and "reference 14.19 GB" in message
+    message = rejects("roles.actor_infer.parallel: the memory estimate in stage rollout",
+                      load_job(BIG_JOB, ["model.max_position_embeddings=32768", "train.prompts_per_step=256"]),
+                      load_profile(BIG_CLUSTER))
+    assert "KV cache" in message
+
+
+def test_rejects_bad_colocation():
+    rejects("roles.reference.colocate_with: a role cannot colocate with itself",
+            job(actor_train={}, actor_infer={}, reference={"colocate_with": "reference"}), cluster())
+    rejects("roles.reference.colocate_with: 'critic' is not a role of this job",
+            job(actor_train={}, actor_infer={}, reference={"colocate_with": "critic"}), cluster())
+    rejects("roles.reference: give either placement or colocate_with, not both",
+            job(actor_train={}, actor_infer={}, reference={"colocate_with": "actor_train", "placement": {"nodes": "0"}}),
+            cluster())
+    rejects("roles.actor_train.colocate_with: colocation cycle actor_train -> actor_infer -> actor_train",
+            job(actor_train={"colocate_with": "actor_infer"}, actor_infer={"colocate_with": "actor_train"}), cluster())
+
+
+def test_rejects_missing_model_path(tmp_path):
+    rejects("model.path:", load_job(TINY_JOB, [f"model.path={tmp_path / 'nope'}"]), load_profile())
+
+
+def test_inputs_are_not_changed():
+    config = load_job(TINY_JOB)
+    before = copy.deepcopy(config.model_dump())
+    compile_plan(config, load_profile())
+    assert config.model_dump() == before
