@@ -28,7 +28,7 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

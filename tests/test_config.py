@@ -1,0 +1,111 @@
+"""Job and profile validation: every mistake names the file, the key path and what is allowed."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, hpcrl
+
+from hpcrl.config import ConfigError, load_job, load_profile
+from hpcrl.config.overrides import apply_overrides, parse_override
+
+GOOD = """\
+name: t
+task: {name: addition}
+roles:
+  actor_train: {parallel: {dp: 2}}
+  actor_infer: {}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def error_of(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_job(path, overrides)
+    return str(info.value)
+
+
+def test_good_job_loads_with_defaults(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    assert job.roles.actor_train.parallel.dp == 2
+    assert job.roles.actor_train.parallel.tp == 1
+    assert job.engine("actor_train") == "torch" and job.engine("actor_infer") == "native"
+    assert job.stages("actor_train") == ("logprobs", "train")
+
+
+def test_unknown_key_is_named_with_a_suggestion_and_line(tmp_path):
+    path = write(tmp_path, GOOD + "trian: {steps: 3}\n")
+    message = error_of(path)
+    assert f"{path}: trian: unknown key; did you mean 'train'?" in message
+    assert "Allowed here: algorithm, checkpoint" in message
+    assert "(line 6)" in message
+
+
+def test_unknown_nested_key(tmp_path):
+    message = error_of(write(tmp_path, GOOD.replace("actor_infer: {}", "actor_infer: {enigne: native}")))
+    assert "roles.actor_infer.enigne: unknown key; did you mean 'engine'?" in message
+
+
+def test_wrong_type_names_the_key_path_and_expected_type(tmp_path):
+    path = write(tmp_path, GOOD.replace("{dp: 2}", "{tp: two}"))
+    assert f"{path}: roles.actor_train.parallel.tp: expected a positive integer, got 'two' (line 4)" in error_of(path)
+
+
+def test_missing_required_field(tmp_path):
+    path = write(tmp_path, "name: t\ntask: {name: addition}\n")
+    assert f"{path}: roles: required field is missing" in error_of(path)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    message = error_of(write(tmp_path, GOOD.replace("name: t", "name: 't;rm -rf /'") + "seed: -1\n"))
+    assert "name: " in message and "seed: expected a non-negative integer, got -1" in message
+
+
+def test_task_or_dataset_exactly_one(tmp_path):
+    message = error_of(write(tmp_path, GOOD.replace("task: {name: addition}\n", "")))
+    assert "give exactly one of 'task'" in message
+
+
+def test_engine_must_fit_the_role(tmp_path):
+    message = error_of(write(tmp_path, GOOD.replace("actor_infer: {}", "actor_infer: {engine: megatron}")))
+    assert "roles.actor_infer.engine: 'megatron' is not one of native, vllm" in message
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    path = write(tmp_path, GOOD)
+    assert load_job(path, ["train.steps=7", "rollout.temperature=0.5"]).train.steps == 7
+    assert "train.steps: expected a positive integer, got 'many'" in error_of(path, ["train.steps=many"])
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        parse_override("train.steps")
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=2"]) == {"a": {"b": 1, "c": 2}}
+
+
+def test_profile_validation(tmp_path):
+    assert load_profile().name == "local"
+    path = write(tmp_path, "name: x\nscheduler: slurm\nnodes: 1\ndevices_per_node: 4\ndevice: tpu\n"
+                 "device_memory_gb: 8\n", "p.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_profile(path)
+    assert "device: expected one of 'cpu', 'cuda', got 'tpu'" in str(info.value)
+
+
+def test_shipped_jobs_and_profiles_load():
+    for job in (REPO / "jobs").glob("*.yaml"):
+        load_job(job)
+    for profile in (REPO / "clusters").glob("*.yaml"):
+        load_profile(profile)
+
+
+def test_bad_job_fails_before_any_rank_starts(tmp_path):
+    path = write(tmp_path, GOOD.replace("{dp: 2}", "{tp: two}"))
+    result = hpcrl("run", str(path), "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert result.returncode == 2
+    assert "roles.actor_train.parallel.tp: expected a positive integer, got 'two'" in result.stderr
+    assert not (tmp_path / "run").exists(), "no rank may start (nothing written) for an invalid job"
