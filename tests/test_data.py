@@ -24,12 +24,10 @@ def test_addition_prompts_are_all_pairs():
 
 def test_reward_exact_partial_and_empty():
     assert answer_reward("46", "46", stopped=True) == 1.0
-    assert answer_reward("46", "46", stopped=False) == 0.5
-    assert answer_reward("41", "46", stopped=True) == pytest.approx(0.5 / 2)  # the tens digit
-    assert answer_reward("6", "46", stopped=True) == pytest.approx(0.5 / 2)  # the units digit, in place
-    assert answer_reward("4", "46", stopped=True) == 0.0  # right digit, wrong place
+    assert answer_reward("46", "46", stopped=False) == pytest.approx(0.5 * 2 / 3)  # no stop
+    assert answer_reward("41", "46", stopped=True) == pytest.approx(0.5 * 2 / 3)  # '4' and the stop
+    assert answer_reward("7", "46", stopped=True) == 0.0
     assert answer_reward("", "7", stopped=False) == 0.0
-    assert answer_reward("123", "7", stopped=True) == 0.0
 
 
 def test_sampler_resumes_exactly_from_its_state():

@@ -40,6 +40,20 @@ class NativeSampler:
         self.eos_id = eos_id
         self.pad_id = pad_id
 
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in weights:
+                if name not in params:
+                    raise KeyError(f"weight sync: the rollout model has no parameter {name!r}")
+                params[name].copy_(value)
+
+    def sleep(self) -> None:
+        """The native engine keeps no cache between calls: nothing to free."""
+
+    def wake(self) -> None:
+        """See `sleep`."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:

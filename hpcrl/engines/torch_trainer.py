@@ -5,6 +5,7 @@ from hpcrl.algos; this class only owns the model, the optimizer and the minibatc
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class TorchTrainer:
         self.pad_id = pad_id
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.device = next(model.parameters()).device
         self.optimizer = None
         if trainable:
             model.train()
@@ -53,6 +55,25 @@ class TorchTrainer:
     @property
     def module(self) -> torch.nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every replica holds the full model: its parameters already carry the HF names."""
+        return ((name, p.detach()) for name, p in self.module.named_parameters())
+
+    def offload(self) -> None:
+        """Nothing to do on CPU; on GPUs the weights and Adam state move to pinned host memory."""
+        self._move("cpu")
+
+    def reload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: str | torch.device) -> None:
+        self.module.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
 
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from hpcrl.config import ClusterProfile, JobConfig
+from hpcrl.config.constants import EXIT_REQUEUE
 from hpcrl.placement import Plan
 
 
@@ -44,10 +46,33 @@ def runtime_command(python: str, resolved_job: Path, profile_path: str | None, r
     return command
 
 
+def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run the MPI world; SIGUSR1/SIGTERM sent to us go to mpiexec, which passes them to every rank."""
+    process = subprocess.Popen(command, env=env)
+    forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:
+                process.send_signal(signal.SIGINT)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None, plan: Plan, run_dir: Path) -> int:
-    """Start the MPI world here and wait for it; returns its exit code."""
+    """Start the MPI world here and wait for it; restart after a failure up to `max_restarts` times
+    (each restart resumes from the newest valid checkpoint). Returns the world's exit code."""
     resolved = prepare_run_dir(job, plan, run_dir)
     command = [mpiexec_path(), "-n", str(plan.world_size)]
     command += runtime_command(sys.executable, resolved, profile_path, run_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(command, env=env)
+    for attempt in range(profile.max_restarts + 1):
+        code = _run_forwarding_signals(command, env)
+        if code in (0, EXIT_REQUEUE) or attempt == profile.max_restarts:
+            return code
+        print(f"hpcrl: the run failed (exit code {code}); restart {attempt + 1} of {profile.max_restarts} "
+              "from the newest checkpoint", file=sys.stderr, flush=True)
+    return code

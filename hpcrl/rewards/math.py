@@ -1,16 +1,18 @@
 """Rule-based reward for tasks whose answer is a number: the exact answer, then a stop, earns 1.0.
 
-Partial credit counts digits right in their place value (aligned from the units), which gives a
-random policy a little reward and GRPO a gradient before the first exact answer is found, without
-a prompt-independent shortcut: the units digit of a sum is spread evenly over the prompts, whereas
-left-aligned credit would reward always answering "1" (the first digit of every sum from 10 on).
+Partial credit per position right (the stop counts as a position after the last digit) gives a
+random policy a little reward and GRPO a gradient to climb before the first exact answer is found.
 """
 from __future__ import annotations
 
+STOP = "\0"
+
 
 def answer_reward(response: str, answer: str, stopped: bool, partial_credit: float = 0.5) -> float:
-    """1.0 for the exact answer followed by a stop; else `partial_credit` times the share of places right."""
+    """1.0 for the exact answer followed by a stop; else `partial_credit` times the share of positions right."""
     if response == answer and stopped:
         return 1.0
-    hits = sum(1 for got, want in zip(reversed(response), reversed(answer)) if got == want)
-    return partial_credit * hits / max(len(response), len(answer), 1)
+    got = response + (STOP if stopped else "")
+    want = answer + STOP
+    hits = sum(1 for g, w in zip(got, want) if g == w)
+    return partial_credit * hits / max(len(got), len(want))

@@ -6,6 +6,7 @@ Started by `hpcrl run` (mpiexec) or by the batch script of `hpcrl submit` (srun)
 from __future__ import annotations
 
 import argparse
+import sys
 import traceback
 from pathlib import Path
 
@@ -45,7 +46,11 @@ def _load_on_controller(args: argparse.Namespace):
     return payload
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    # First of all: SIGUSR1's default action would kill the rank before it could checkpoint.
+    from hpcrl.checkpoint import PreemptionSignal
+
+    preemption = PreemptionSignal().install()
     args = _parse(argv)
     job, profile, layout = _load_on_controller(args)
     import torch.distributed as dist
@@ -65,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller
 
-            controller = Controller(job, layout, tokenizer, Path(args.run_dir))
-            controller.run()
+            controller = Controller(job, layout, tokenizer, Path(args.run_dir), preemption)
+            code = controller.run()
             controller.shutdown()
         else:
             from hpcrl.runtime.worker import serve
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
                                   groups.sync_src, peers)
                 peers[name] = ROLE_CLASSES[name](ctx)
             serve(peers)
+            code = 0
         dist.destroy_process_group()
+        return code
     except BaseException:
         if rank == CONTROLLER:
             abort(f"hpcrl: the controller (rank 0) failed:\n{traceback.format_exc()}\nhpcrl: aborting all ranks.")
@@ -85,4 +92,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

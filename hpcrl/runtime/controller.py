@@ -11,10 +11,12 @@ from pathlib import Path
 from statistics import fmean, pstdev
 from typing import Iterator
 
+from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, load_prompts
 from hpcrl.metrics import StepRecorder
 from hpcrl.runtime.advantages import mean_kl, token_advantages
+from hpcrl.runtime.checkpointing import Checkpointer, controller_state
 from hpcrl.runtime.dispatch import Dispatch, WorkerGroup, run, wait
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN
@@ -22,7 +24,7 @@ from hpcrl.runtime.roles import score_responses
 
 
 class Controller:
-    def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path):
+    def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path, preemption: PreemptionSignal):
         self.job = job
         self.tokenizer = tokenizer
         self.run_dir = run_dir
@@ -31,7 +33,10 @@ class Controller:
         self.everyone = WorkerGroup("*", workers, [workers])
         self.sampler = ResumableSampler(load_prompts(job), seed=job.seed)
         self.step = 0
+        self.history: list[dict[str, float]] = []
         self.timings: dict[str, float] = {}
+        self.preemption = preemption
+        self.checkpointer = Checkpointer(job, layout, run_dir, self.everyone)
 
     @contextmanager
     def _timed(self, stage: str) -> Iterator[None]:
@@ -112,13 +117,30 @@ class Controller:
         }
         return metrics
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train to `train.steps`; returns the exit code (EXIT_REQUEUE when stopped by a signal)."""
         job = self.job
-        self.sync_weights()  # rollout starts from exactly the trainer's initial weights
+        restored = self.checkpointer.restore()
+        if restored is not None:
+            self.step, self.sampler.state, self.history = restored
+        self.sync_weights()  # rollout starts from exactly the trainer's weights
         with StepRecorder(self.run_dir, job.train.steps, job.log.print_every, job.log.tensorboard,
                           resume_step=self.step) as recorder:
             for step in range(self.step + 1, job.train.steps + 1):
-                recorder.record(step, self.train_one_step(step))
+                metrics = self.train_one_step(step)
+                recorder.record(step, metrics)
+                self.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+                if self.checkpointer.due(step) or self.preemption.requested:
+                    self.save(step)
+                if self.preemption.requested and step < job.train.steps:
+                    recorder.write(f"hpcrl: {self.preemption.signal_name} received: checkpoint saved at step "
+                                   f"{step}; exiting for requeue")
+                    return EXIT_REQUEUE
+        return 0
+
+    def save(self, step: int) -> None:
+        with self._timed("checkpoint"):
+            self.checkpointer.save(step, controller_state(step, self.sampler.state), self.history)
 
     def shutdown(self) -> None:
         run(self.everyone, SHUTDOWN, Dispatch.ONE_TO_ALL)

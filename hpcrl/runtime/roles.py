@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from hpcrl.checkpoint import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import build_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
 from hpcrl.engines.torch_trainer import Samples, TorchTrainer
 from hpcrl.rewards import answer_reward
-from hpcrl.runtime.weight_sync import broadcast_parameters, copy_parameters, weights_digest
+from hpcrl.runtime.weight_sync import broadcast_named, weights_digest
 
 Batch = dict[str, list]
 
@@ -55,7 +57,10 @@ class ActorTrain:
         ctx = self.ctx
         if ctx.sync_group is None or dist.get_rank() != ctx.sync_src:
             return 0
-        return broadcast_parameters(self.trainer.module, ctx.sync_src, ctx.sync_group)
+        moved = 0
+        for bucket in broadcast_named(self.trainer.named_weights(), ctx.sync_src, ctx.sync_group):
+            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        return moved
 
     @property
     def module(self) -> torch.nn.Module:
@@ -63,6 +68,13 @@ class ActorTrain:
 
     def digest(self) -> str:
         return weights_digest(self.trainer.module)
+
+    def save(self, checkpoint_dir: Path) -> None:
+        """DCP shards of model + optimizer: loadable on a different DP size."""
+        save_train_state(self.trainer.module, self.trainer.optimizer, checkpoint_dir / "actor_train", self.ctx.dp_group)
+
+    def load(self, checkpoint_dir: Path) -> None:
+        load_train_state(self.trainer.module, self.trainer.optimizer, checkpoint_dir / "actor_train", self.ctx.dp_group)
 
 
 class Reference:
@@ -94,10 +106,14 @@ class ActorInfer:
 
     def receive_weights(self) -> int:
         local_trainer = self.ctx.peers.get("actor_train")
-        if local_trainer is not None:
-            copy_parameters(local_trainer.module, self.model)
+        if local_trainer is not None:  # colocated: the trainer's weights are in this process
+            self.sampler.load_weights(list(local_trainer.trainer.named_weights()))
             return 0
-        return broadcast_parameters(self.model, self.ctx.sync_src, self.ctx.sync_group)
+        moved = 0
+        for bucket in broadcast_named(None, self.ctx.sync_src, self.ctx.sync_group):
+            self.sampler.load_weights(bucket)
+            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        return moved
 
     def digest(self) -> str:
         return weights_digest(self.model)

@@ -1,47 +1,55 @@
-"""Trainer -> rollout weight sync: bucketed broadcasts over a torch.distributed group.
+"""Trainer -> rollout weight sync: HF-named tensors in flat buckets over a torch.distributed group.
 
-The source (the first rank of the trainer's first DP replica) and every rollout rank walk the
-parameters in the same order and cut them into the same buckets, so each bucket is one flat
+The source (the first rank of the trainer's first DP replica) first broadcasts the list of names,
+shapes and dtypes; then both sides cut that list into the same buckets and each bucket is one flat
 broadcast (NCCL on GPUs, gloo here): few large messages instead of one per tensor, and no files.
+Receivers load bucket by bucket, so no rank ever holds a second full copy of the model.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hpcrl.engines.base import NamedTensors
+
 DEFAULT_BUCKET_BYTES = 64 << 20
+Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
-def buckets(params: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[torch.Tensor]]:
-    """Consecutive groups of same-dtype tensors of at most `bucket_bytes` (a larger tensor is alone)."""
-    out: list[list[torch.Tensor]] = []
+def plan_buckets(meta: Meta, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Meta]:
+    """Consecutive runs of same-dtype tensors of at most `bucket_bytes` (a larger tensor is alone)."""
+    out: list[Meta] = []
     size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > bucket_bytes or out[-1][0].dtype != p.dtype:
+    for name, shape, dtype in meta:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if not out or size + nbytes > bucket_bytes or out[-1][0][2] != dtype:
             out.append([])
             size = 0
-        out[-1].append(p)
+        out[-1].append((name, shape, dtype))
         size += nbytes
     return out
 
 
 @torch.no_grad()
-def broadcast_parameters(module: torch.nn.Module, src: int, group: dist.ProcessGroup,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Send (on `src`) or receive (elsewhere) every parameter; returns the bytes moved."""
-    moved = 0
-    for bucket in buckets([p.data for p in module.parameters()], bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
+def broadcast_named(weights: Iterable[tuple[str, torch.Tensor]] | None, src: int, group: dist.ProcessGroup,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[NamedTensors]:
+    """Yield the weights bucket by bucket: sent from `weights` on `src`, received elsewhere."""
+    sending = dist.get_rank() == src
+    tensors = dict(weights) if sending else {}
+    holder = [[(n, tuple(t.shape), t.dtype) for n, t in tensors.items()] if sending else None]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    for bucket in plan_buckets(holder[0], bucket_bytes):
+        if sending:
+            flat = _flatten_dense_tensors([tensors[name].contiguous() for name, _, _ in bucket])
+        else:
+            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in bucket), dtype=bucket[0][2])
         dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank() != src:
-            for param, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                param.copy_(value)
-        moved += flat.numel() * flat.element_size()
-    return moved
+        templates = [torch.empty(shape, dtype=dtype) for _, shape, dtype in bucket]
+        yield [(name, value) for (name, _, _), value in zip(bucket, _unflatten_dense_tensors(flat, templates))]
 
 
 @torch.no_grad()
@@ -51,10 +59,3 @@ def weights_digest(module: torch.nn.Module) -> str:
     for param in module.parameters():
         digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-@torch.no_grad()
-def copy_parameters(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """The colocated case: trainer and rollout share the rank, so the sync is a local copy."""
-    for dst, src in zip(target.parameters(), source.parameters()):
-        dst.copy_(src)

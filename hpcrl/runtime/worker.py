@@ -1,6 +1,7 @@
 """The worker loop: host the roles the plan gives this rank and run what the controller calls."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hpcrl.runtime.faults import maybe_fail
@@ -8,8 +9,32 @@ from hpcrl.runtime.messages import SHUTDOWN, TAG_CALL, TAG_REPLY, Call, Reply
 from hpcrl.runtime.mpi_world import COMM, CONTROLLER, poll_recv, report_and_wait
 
 
+class RankHost:
+    """Calls addressed to the rank rather than to one role (role name "*"): checkpoint save/load."""
+
+    def __init__(self, roles: dict[str, Any]):
+        self.roles = roles
+
+    def save_checkpoint(self, path: str) -> None:
+        from hpcrl.checkpoint import save_rng
+
+        for role in self.roles.values():
+            if hasattr(role, "save"):
+                role.save(Path(path))
+        save_rng(Path(path), COMM.Get_rank())
+
+    def load_checkpoint(self, path: str) -> None:
+        from hpcrl.checkpoint import load_rng
+
+        for role in self.roles.values():
+            if hasattr(role, "load"):
+                role.load(Path(path))
+        load_rng(Path(path), COMM.Get_rank())
+
+
 def serve(roles: dict[str, Any]) -> None:
     """Answer calls until the controller says shutdown. An exception is reported, then the world aborts."""
+    roles = {"*": RankHost(roles), **roles}
     while True:
         call, _, _ = poll_recv(source=CONTROLLER, tag=TAG_CALL)
         assert isinstance(call, Call)

@@ -1,0 +1,104 @@
+"""Translate a Hugging Face Qwen2/LLaMA config into megatron-core's TransformerConfig and GPTModel arguments.
+
+Pure functions returning keyword dicts (no megatron import), so the translation is testable
+without megatron-core; `model.build_gpt_model` passes them on. Anything the converter in
+hpcrl.engines.resharding cannot represent exactly is refused here, with the field named, rather
+than trained with silently different numerics.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hpcrl.engines.resharding import GPTShape
+
+
+def _check_supported(hf_config) -> None:
+    arch = hf_config.model_type
+    if arch not in ("qwen2", "llama"):
+        raise ValueError(f"the megatron engine converts qwen2 and llama models, not model_type={arch!r}")
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) MLPs are converted")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={rope['rope_type']!r}: only plain rotary embeddings are converted")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported by the megatron engine")
+    if arch == "llama" and (hf_config.attention_bias or hf_config.mlp_bias):
+        raise ValueError("LLaMA attention_bias/mlp_bias add biases (o_proj, MLP) the converter does not map")
+
+
+def rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: torch.dtype) -> dict[str, Any]:
+    """TransformerConfig(**these): the architecture, the parallel sizes, and CPU/GPU-neutral kernels.
+
+    Fusions that need Apex or Transformer Engine are off (the local layer spec runs everywhere);
+    `calculate_per_token_loss` because hpcrl's losses are already normalised by the global token
+    count, so Megatron must sum gradients over micro-batches and DP ranks, never average them.
+    """
+    _check_supported(hf_config)
+    shape = GPTShape.from_hf(hf_config)
+    tp, pp, cp, ep = (parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
+    if cp > 1:
+        raise ValueError("cp > 1 needs Transformer Engine's attention (the local layer spec has no context "
+                         "parallelism); use tp/pp/dp")
+    if ep > 1:
+        raise ValueError(f"ep={ep}: expert parallelism needs a mixture-of-experts model; qwen2/llama are dense")
+    if shape.num_kv_heads % tp:
+        raise ValueError(f"num_kv_heads={shape.num_kv_heads} is not divisible by tp={tp}")
+    if hf_config.vocab_size % tp:
+        raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by tp={tp} (the vocab-parallel "
+                         "embedding splits it evenly)")
+    return dict(
+        num_layers=shape.num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        calculate_per_token_loss=True,
+    )
+
+
+def gpt_model_kwargs(hf_config) -> dict[str, Any]:
+    """GPTModel(config, spec, **these): vocabulary, positions and embedding tying."""
+    return dict(
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=rope_theta(hf_config),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        parallel_output=True,
+    )

@@ -1,0 +1,306 @@
+"""Hugging Face <-> Megatron-core weight layouts, and gathering a sharded trainer into HF tensors.
+
+The weight sync ships full tensors under HF names (see engines/base.py), so a Megatron trainer
+sharded by TP and PP must rebuild them: TP shards are concatenated along the dimension each
+parallel linear splits (the fused SwiGLU fc1 holds `[gate_r; up_r]` per shard, so it is
+re-interleaved), PP stages number their layers from 0 and are shifted by the stage's offset, and
+Megatron's fused QKV (per query group: that group's query heads, then its key and value head) is
+cut back into q/k/v projections. Conversion follows the mcore <-> HF converters of verl,
+NeMo-RL and ROLL for the local (non-Transformer-Engine) layer spec of Qwen2 and LLaMA.
+
+Everything here is torch only: no megatron import, so the layout logic is testable anywhere.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+Named = tuple[str, torch.Tensor]
+T = TypeVar("T")
+Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Per-layer and model-level parameters that map one to one.
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_MODEL_RENAMES = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_QKV = "self_attention.linear_qkv."
+_FC1 = "mlp.linear_fc1.weight"
+# The dimension each tensor-parallel layer splits: column-parallel layers (and the vocab-parallel
+# embedding) split their output rows, row-parallel layers their input columns; norms are replicated.
+_COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", _FC1, "word_embeddings.weight", "output_layer.weight")
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The sizes the layout conversion depends on (a Qwen2/LLaMA decoder)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_hf(cls, config) -> "GPTShape":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                   bool(config.tie_word_embeddings))
+
+
+# ---- full tensors: HF <-> Megatron names and fused layouts ----------------------------------------------------
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: GPTShape) -> torch.Tensor:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    rest = q.shape[1:]
+    parts = [q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, shape: GPTShape) -> tuple[torch.Tensor, ...]:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    rest = qkv.shape[1:]
+    per_group = shape.num_heads // groups * d
+    q, k, v = qkv.reshape(groups, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def hf_to_mcore(hf: Mapping[str, torch.Tensor], shape: GPTShape) -> dict[str, torch.Tensor]:
+    """The unsharded Megatron state (global layer numbers) of an HF Qwen2/LLaMA state dict."""
+    out: dict[str, torch.Tensor] = {}
+    hf_model_names = {v: k for k, v in _MODEL_RENAMES.items()}
+    for name, tensor in hf.items():
+        if name in hf_model_names:
+            if not (name == "lm_head.weight" and shape.tied):
+                out[hf_model_names[name]] = tensor
+            continue
+        match = _HF_LAYER.match(name)
+        if match is None:
+            raise KeyError(f"HF -> Megatron: no Megatron parameter for {name!r}")
+        layer, rest = match.groups()
+        prefix = f"decoder.layers.{layer}."
+        hf_prefix = f"model.layers.{layer}."
+        if rest.startswith("self_attn.q_proj."):
+            kind = rest.rsplit(".", 1)[1]
+            out[prefix + _QKV + kind] = _fuse_qkv(
+                *(hf[f"{hf_prefix}self_attn.{p}_proj.{kind}"] for p in "qkv"), shape)
+        elif rest == "mlp.gate_proj.weight":
+            out[prefix + _FC1] = torch.cat([tensor, hf[hf_prefix + "mlp.up_proj.weight"]], dim=0)
+        elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")) or rest == "mlp.up_proj.weight":
+            continue  # fused with q_proj / gate_proj above
+        else:
+            mcore = {v: k for k, v in _LAYER_RENAMES.items()}.get(rest)
+            if mcore is None:
+                raise KeyError(f"HF -> Megatron: no Megatron parameter for {name!r}")
+            out[prefix + mcore] = tensor
+    return out
+
+
+def mcore_to_hf(name: str, tensor: torch.Tensor, shape: GPTShape) -> list[Named]:
+    """HF tensors of one unsharded Megatron parameter (global layer number); [] for a tied output layer."""
+    if name in _MODEL_RENAMES:
+        return [] if name == "output_layer.weight" and shape.tied else [(_MODEL_RENAMES[name], tensor)]
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(f"Megatron -> HF: unknown parameter {name!r}")
+    layer, rest = match.groups()
+    prefix = f"model.layers.{layer}."
+    if rest.startswith(_QKV):
+        kind = rest[len(_QKV):]
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", _split_qkv(tensor, shape))]
+    if rest == _FC1:
+        gate, up = tensor.chunk(2, dim=0)
+        return [(prefix + "mlp.gate_proj.weight", gate.contiguous()), (prefix + "mlp.up_proj.weight", up.contiguous())]
+    if rest not in _LAYER_RENAMES:
+        raise KeyError(f"Megatron -> HF: unknown parameter {name!r}")
+    return [(prefix + _LAYER_RENAMES[rest], tensor)]
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------------------
+
+def tp_dim(name: str) -> int | None:
+    """The dimension TP splits this Megatron parameter along (None: replicated on every TP rank)."""
+    if name.endswith(_COLUMN_PARALLEL):
+        return 0
+    if name.endswith(_ROW_PARALLEL):
+        return 1
+    return None
+
+
+def split_tp(name: str, full: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """The TP shards of an unsharded parameter, in TP-rank order."""
+    dim = tp_dim(name)
+    if dim is None:
+        return [full] * tp
+    if name.endswith(_FC1):
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat(pair, dim=0) for pair in zip(gate.chunk(tp), up.chunk(tp))]
+    return [t.contiguous() for t in full.chunk(tp, dim=dim)]
+
+
+def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `split_tp`."""
+    dim = tp_dim(name)
+    if dim is None:
+        return shards[0]
+    if name.endswith(_FC1):
+        pairs = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([g for g, _ in pairs] + [u for _, u in pairs], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+# ---- pipeline parallelism ---------------------------------------------------------------------------------------
+
+def layer_offset(num_layers: int, pp: int, pp_rank: int) -> int:
+    """Global number of a stage's first layer (Megatron's even split; each stage counts from 0)."""
+    if num_layers % pp:
+        raise ValueError(f"num_layers={num_layers} does not split evenly into pp={pp} pipeline stages")
+    return pp_rank * (num_layers // pp)
+
+
+def renumber(name: str, offset: int) -> str:
+    """A parameter name with its layer number shifted by `offset` (stage-local <-> global)."""
+    match = _LAYER.match(name)
+    return name if match is None else f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+
+
+def stage_state(full: Mapping[str, torch.Tensor], shape: GPTShape, tp: int, tp_rank: int, pp: int,
+                pp_rank: int) -> dict[str, torch.Tensor]:
+    """What one (TP rank, PP stage) of a Megatron GPTModel holds, under its local names.
+
+    The first stage holds the embedding, the last the final norm and output layer; with tied
+    embeddings and pp > 1 the last stage keeps its own copy of the embedding as `output_layer`.
+    """
+    per_stage = shape.num_layers // pp
+    first = layer_offset(shape.num_layers, pp, pp_rank)
+    out = {}
+    for name, tensor in full.items():
+        match = _LAYER.match(name)
+        if match is not None:
+            if not first <= int(match.group(1)) < first + per_stage:
+                continue
+        elif name.startswith("embedding.") and pp_rank != 0:
+            continue
+        elif name.startswith(("decoder.final_layernorm", "output_layer")) and pp_rank != pp - 1:
+            continue
+        out[renumber(name, -first)] = split_tp(name, tensor, tp)[tp_rank]
+    if shape.tied and pp > 1 and pp_rank == pp - 1:
+        embedding = full["embedding.word_embeddings.weight"]
+        out["output_layer.weight"] = split_tp("output_layer.weight", embedding, tp)[tp_rank]
+    return out
+
+
+# ---- bucketing and the collective gather --------------------------------------------------------------------------
+
+def _buckets(items: Iterable[T], size_and_dtype: Callable[[T], tuple[int, torch.dtype]],
+             bucket_bytes: int) -> Iterator[list[T]]:
+    """Consecutive runs of same-dtype items of at most `bucket_bytes` (a larger item is alone)."""
+    bucket: list[T] = []
+    size, dtype = 0, None
+    for item in items:
+        nbytes, item_dtype = size_and_dtype(item)
+        if bucket and (size + nbytes > bucket_bytes or item_dtype != dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        size += nbytes
+        dtype = item_dtype
+    if bucket:
+        yield bucket
+
+
+def plan_buckets(meta: Meta, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Meta]:
+    """The buckets of (name, shape, dtype) entries that one flat collective each moves."""
+    def size(entry):
+        return torch.Size(entry[1]).numel() * torch.empty((), dtype=entry[2]).element_size(), entry[2]
+    return list(_buckets(meta, size, bucket_bytes))
+
+
+def _meta(named: Iterable[Named]) -> Meta:
+    return [(n, tuple(t.shape), t.dtype) for n, t in named]
+
+
+def _unflatten(flat: torch.Tensor, bucket: Meta) -> list[torch.Tensor]:
+    return list(_unflatten_dense_tensors(flat, [torch.empty(s, dtype=d, device="meta") for _, s, d in bucket]))
+
+
+def _gather_tp(local: list[Named], group: dist.ProcessGroup | None, bucket_bytes: int) -> Iterator[Named]:
+    """Unsharded tensors (stage-local names) on TP rank 0, one flat `gather` per bucket."""
+    tp = dist.get_world_size(group) if group is not None else 1
+    if tp == 1:
+        yield from local
+        return
+    tensors = dict(local)
+    leader = dist.get_rank(group) == 0
+    for bucket in plan_buckets(_meta(local), bucket_bytes):
+        flat = _flatten_dense_tensors([tensors[name].contiguous() for name, _, _ in bucket])
+        gathered = [torch.empty_like(flat) for _ in range(tp)] if leader else None
+        dist.gather(flat, gathered, group=group, group_dst=0)
+        if leader:
+            per_rank = [_unflatten(g, bucket) for g in gathered]
+            for index, (name, _, _) in enumerate(bucket):
+                yield name, merge_tp(name, [shards[index] for shards in per_rank])
+
+
+def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup | None,
+              pp_group: dist.ProcessGroup | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Named]:
+    """Full HF-named tensors of a TP x PP sharded model, yielded on TP rank 0 of PP stage 0.
+
+    Collective: every rank of the model-parallel group iterates it to the end (the others yield
+    nothing). TP shards are gathered bucket by bucket to each stage's TP rank 0; later stages send
+    their converted tensors, bucket by bucket, to the first stage. Tensors stay on the device of
+    `local` (NCCL moves device tensors only).
+    """
+    pp = dist.get_world_size(pp_group) if pp_group is not None else 1
+    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    offset = layer_offset(shape.num_layers, pp, pp_rank)
+    merged = _gather_tp(local, tp_group, bucket_bytes)
+    if tp_group is not None and dist.get_rank(tp_group) != 0:
+        for _ in merged:
+            pass
+        return
+    hf = (pair for name, full in merged for pair in mcore_to_hf(renumber(name, offset), full, shape))
+    if pp_rank == 0:
+        yield from hf
+        device = local[0][1].device
+        for stage in range(1, pp):
+            yield from _receive_stage(pp_group, stage, device)
+    else:
+        _send_stage(hf, pp_group, bucket_bytes)
+
+
+def _send_stage(hf: Iterable[Named], pp_group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    """Stream a stage's HF tensors to stage 0: (meta, flat tensor) per bucket, then an empty meta."""
+    for bucket in _buckets(hf, lambda pair: (pair[1].nbytes, pair[1].dtype), bucket_bytes):
+        dist.send_object_list([_meta(bucket)], group=pp_group, group_dst=0)
+        dist.send(_flatten_dense_tensors([t.contiguous() for _, t in bucket]), group=pp_group, group_dst=0)
+    dist.send_object_list([[]], group=pp_group, group_dst=0)
+
+
+def _receive_stage(pp_group: dist.ProcessGroup, stage: int, device: torch.device) -> Iterator[Named]:
+    while True:
+        holder: list = [None]
+        dist.recv_object_list(holder, group=pp_group, group_src=stage)
+        bucket: Meta = holder[0]
+        if not bucket:
+            return
+        flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in bucket), dtype=bucket[0][2], device=device)
+        dist.recv(flat, group=pp_group, group_src=stage)
+        yield from zip([n for n, _, _ in bucket], _unflatten(flat, bucket))
