@@ -111,6 +111,7 @@ class RolloutConfig(Schema):
     top_k: NonNegativeInt = 0
     max_staleness: NonNegativeInt = Field(0, description="policy versions a consumed sample may lag (0: synchronous)")
     is_cap: PositiveFloat = Field(2.0, description="truncation of the off-policy importance weight")
+    max_refills: NonNegativeInt = Field(10, description="dynamic sampling: extra generation rounds per batch")
 
 
 class CheckpointConfig(Schema):

@@ -1,4 +1,4 @@
 """Reward functions: plain functions of (response text, reference answer) -> float."""
-from hpcrl.rewards.math import answer_reward
+from hpcrl.rewards.math import answer_reward, score_responses
 
-__all__ = ["answer_reward"]
+__all__ = ["answer_reward", "score_responses"]

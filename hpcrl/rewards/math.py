@@ -16,3 +16,9 @@ def answer_reward(response: str, answer: str, stopped: bool, partial_credit: flo
     want = answer + STOP
     hits = sum(1 for g, w in zip(got, want) if g == w)
     return partial_credit * hits / max(len(got), len(want))
+
+
+def score_responses(tokenizer, responses: list[list[int]], answers: list[str]) -> list[float]:
+    """Rewards for a batch of generated token ids (a response stopped if it ends with `<eos>`)."""
+    return [answer_reward(tokenizer.decode(r), a, stopped=bool(r) and r[-1] == tokenizer.eos_token_id)
+            for r, a in zip(responses, answers)]

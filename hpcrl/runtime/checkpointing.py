@@ -2,19 +2,18 @@
 
 Protocol: the controller opens a scratch directory, every worker writes its part (each training
 role its DCP model + optimizer shards, every rank its RNG states), the controller writes its own
-state (step, sampler position, metrics) in HDF5, then commits: manifest with SHA-256s, atomic
+state (step, sampler position, scheduler, metrics) and the rollout buffer in HDF5, then commits: manifest with SHA-256s, atomic
 rename, prune to the newest `checkpoint.keep`.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from hpcrl.checkpoint import Checkpoint, CheckpointStore, config_hash, load_run_state, save_rng, save_run_state
+from hpcrl.checkpoint.h5 import RunState
 from hpcrl.config.job import JobConfig
-from hpcrl.data import SamplerState
 from hpcrl.runtime.dispatch import Dispatch, WorkerGroup, run
 from hpcrl.runtime.layout import WorldLayout
 
@@ -35,17 +34,18 @@ class Checkpointer:
         every = self.job.checkpoint.every
         return (every > 0 and step % every == 0) or step == self.job.train.steps
 
-    def save(self, step: int, controller_state: dict[str, Any], metrics: list[dict[str, Any]]) -> Checkpoint:
+    def save(self, step: int, controller: dict[str, Any], metrics: list[dict[str, Any]],
+             buffer: dict[str, list]) -> Checkpoint:
         scratch = self.store.begin(step)
         run(self.everyone, "save_checkpoint", Dispatch.ONE_TO_ALL, str(scratch))
         save_rng(scratch, 0)
-        save_run_state(scratch / STATE_FILE, metrics=metrics, controller=controller_state)
+        save_run_state(scratch / STATE_FILE, buffer=buffer, metrics=metrics, controller=controller)
         layout = {name: {"ranks": role.ranks, "dp_groups": role.dp_groups} for name, role in self.layout.roles.items()}
         checkpoint = self.store.commit(step, scratch, self.config_hash, layout, extra={"config": self.config})
         self.last_saved_step = step
         return checkpoint
 
-    def restore(self) -> tuple[int, SamplerState, list[dict[str, Any]]] | None:
+    def restore(self) -> RunState | None:
         """Load the newest valid checkpoint into every rank; None for a fresh start."""
         checkpoint = self.store.latest_valid(self.config_hash, config=self.config)
         for message in self.store.skipped:
@@ -57,11 +57,6 @@ class Checkpointer:
 
         load_rng(checkpoint.path, 0)
         state = load_run_state(checkpoint.path / STATE_FILE)
-        controller = state.controller
         print(f"hpcrl: resuming from {checkpoint.path} (step {checkpoint.step})", file=sys.stderr, flush=True)
         self.last_saved_step = checkpoint.step
-        return checkpoint.step, SamplerState(**controller["sampler"]), list(state.metrics)
-
-
-def controller_state(step: int, sampler: SamplerState) -> dict[str, Any]:
-    return {"step": step, "sampler": asdict(sampler), "policy_version": step}
+        return state

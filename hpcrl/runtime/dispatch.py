@@ -5,8 +5,9 @@ Two modes, as in ROLL/verl:
 - `DP_SPLIT`: the first argument is a batch (a dict of equal-length lists) split into contiguous
   shards, one per data-parallel rank; every rank of a DP replica gets its replica's shard, and
   the results of one rank per replica are concatenated back in the original sample order.
-Calls are asynchronous: `call()` returns a `Pending`, `wait()` collects any number of them while
-watching for an error from any rank.
+Calls are asynchronous: `call()` returns a `Pending`; `wait()` and `wait_any()` receive replies,
+file every reply under its own call (whichever call is being waited for), and abort the world
+on an error report from any rank.
 """
 from __future__ import annotations
 
@@ -76,22 +77,43 @@ class WorkerGroup:
             call_id = next(self._ids)
             COMM.send(Call(call_id, self.role, method, call_args), dest=rank, tag=TAG_CALL)
             call_ids[rank] = call_id
-        return Pending(self, mode, call_ids)
+        pending = Pending(self, mode, call_ids)
+        for rank, call_id in call_ids.items():
+            _outstanding[call_id] = (pending, rank)
+        return pending
 
 
-def wait(*pending: Pending) -> list[Any]:
-    """Block (without spinning) until every pending call has replied; abort the world on an error."""
-    by_call = {cid: (p, rank) for p in pending for rank, cid in p.call_ids.items()}
+_outstanding: dict[int, tuple[Pending, int]] = {}  # call id -> (its Pending, the rank it went to)
+
+
+def _receive_one() -> Pending:
+    """Receive the next reply and file it; returns the Pending it belongs to."""
+    message, source, tag = poll_recv()
+    if tag == TAG_ERROR:
+        assert isinstance(message, ErrorReport)
+        abort(f"hpcrl: {message.describe()}\nhpcrl: aborting all ranks.")
+    if tag != TAG_REPLY or not isinstance(message, Reply) or message.call_id not in _outstanding:
+        abort(f"hpcrl: controller got an unexpected message (tag {tag}) from rank {source}")
+    owner, rank = _outstanding.pop(message.call_id)
+    owner.results[rank] = message.result
+    return owner
+
+
+def wait(*pending: Any) -> list[Any]:
+    """Block (without spinning) until every given call has replied; returns their values in order.
+    Anything with `done` and `value()` can be waited for (a Pending, or a pair of them)."""
     while not all(p.done for p in pending):
-        message, source, tag = poll_recv()
-        if tag == TAG_ERROR:
-            assert isinstance(message, ErrorReport)
-            abort(f"hpcrl: {message.describe()}\nhpcrl: aborting all ranks.")
-        if tag != TAG_REPLY or not isinstance(message, Reply) or message.call_id not in by_call:
-            abort(f"hpcrl: controller got an unexpected message (tag {tag}) from rank {source}")
-        owner, rank = by_call[message.call_id]
-        owner.results[rank] = message.result
+        _receive_one()
     return [p.value() for p in pending]
+
+
+def wait_any(pending: list[Any]) -> Any:
+    """Block until one of the given calls is complete, and return it (replies to others are filed)."""
+    while True:
+        for p in pending:
+            if p.done:
+                return p
+        _receive_one()
 
 
 def run(group: WorkerGroup, method: str, mode: Dispatch, *args: Any) -> Any:

@@ -12,7 +12,7 @@ from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import build_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
 from hpcrl.engines.torch_trainer import Samples, TorchTrainer
-from hpcrl.rewards import answer_reward
+from hpcrl.rewards import score_responses
 from hpcrl.runtime.weight_sync import broadcast_named, weights_digest
 
 Batch = dict[str, list]
@@ -31,9 +31,9 @@ class RoleContext:
     peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
 
 
-def sample_generator(seed: int, step: int, replica: int) -> torch.Generator:
-    """Sampling randomness as a pure function of (seed, step, replica): resumable and reproducible."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + replica)
+def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> torch.Generator:
+    """Sampling randomness as a pure function of (seed, step, replica, round): resumable and reproducible."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + replica) * 101 + attempt)
 
 
 class ActorTrain:
@@ -99,8 +99,8 @@ class ActorInfer:
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
 
-    def generate(self, batch: Batch, step: int) -> Batch:
-        generator = sample_generator(self.job.seed, step, self.ctx.dp_index)
+    def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch:
+        generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
         responses, logprobs = self.sampler.generate(batch["prompt_ids"], self.params, generator)
         return {"response_ids": responses, "behaviour_logprobs": logprobs}
 
@@ -127,11 +127,6 @@ class Reward:
 
     def score(self, batch: Batch) -> Batch:
         return {"rewards": score_responses(self.tokenizer, batch["response_ids"], batch["answers"])}
-
-
-def score_responses(tokenizer, responses: list[list[int]], answers: list[str]) -> list[float]:
-    return [answer_reward(tokenizer.decode(r), a, stopped=bool(r) and r[-1] == tokenizer.eos_token_id)
-            for r, a in zip(responses, answers)]
 
 
 ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "actor_infer": ActorInfer, "reward": Reward}
