@@ -59,29 +59,31 @@ class NativeSampler:
                  generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
         """Sample a response per prompt; stop each at `<eos>` (kept) or `max_new_tokens`."""
         self.model.eval()
-        input_ids, attention_mask = left_pad(prompts, self.pad_id)
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, self.pad_id))
         position_ids = positions(attention_mask)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True)
         batch = len(prompts)
-        finished = torch.zeros(batch, dtype=torch.bool)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
         tokens, logprobs = [], []
         for _ in range(params.max_new_tokens):
             logits = out.logits[:, -1].float() / params.temperature
             full_logp = torch.log_softmax(logits, dim=-1)
             probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            # The generator lives on the CPU so that a seed means the same samples on any device.
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logprobs.append(full_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
             finished |= token == self.eos_id
             if bool(finished.all()):
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=attention_mask.dtype)], dim=1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
             position_ids = position_ids[:, -1:] + 1
             out = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
                              position_ids=position_ids, cache=out.cache, use_cache=True)
-        return _trim(torch.stack(tokens, 1), torch.stack(logprobs, 1), self.eos_id)
+        return _trim(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), self.eos_id)
 
 
 def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int) -> tuple[list[list[int]], list[list[float]]]:

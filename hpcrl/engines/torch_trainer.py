@@ -78,9 +78,12 @@ class TorchTrainer:
     @torch.no_grad()
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """Per-token log-probabilities of the responses under the current weights."""
-        batch = pack(prompt_ids, response_ids, self.pad_id)
+        batch = self._to_device(pack(prompt_ids, response_ids, self.pad_id))
         logp, _ = response_logprobs(self.module, batch, self.job.rollout.temperature)
-        return [row[: len(r)] for row, r in zip(logp.tolist(), response_ids)]
+        return [row[: len(r)] for row, r in zip(logp.cpu().tolist(), response_ids)]
+
+    def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in tensors.items()}
 
     def _global_tokens(self, mask: torch.Tensor) -> float:
         """Valid tokens of this minibatch over all DP ranks: the denominator of the token mean."""
@@ -92,8 +95,8 @@ class TorchTrainer:
     def train_step(self, samples: Samples) -> dict[str, float]:
         """`ppo_epochs` passes over the shard, each in `minibatches` optimizer steps."""
         algo, train = self.job.algorithm, self.job.train
-        batch = pack(samples.prompt_ids, samples.response_ids, self.pad_id)
-        token = {k: right_pad(v, 0.0, torch.float32) for k, v in samples.columns.items()}
+        batch = self._to_device(pack(samples.prompt_ids, samples.response_ids, self.pad_id))
+        token = self._to_device({k: right_pad(v, 0.0, torch.float32) for k, v in samples.columns.items()})
         width = batch["response_ids"].shape[1]
         token = {k: v[:, :width] if v.shape[1] >= width else torch.nn.functional.pad(v, (0, width - v.shape[1]))
                  for k, v in token.items()}

@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     role = "controller" if rank == CONTROLLER else ",".join(layout.roles_on(rank))
     try:
         set_cpu_threads()
+        if profile.device == "cuda" and rank != CONTROLLER:
+            import torch
+
+            torch.cuda.set_device(layout.local_device[rank])
         init_torch_distributed("nccl" if profile.device == "cuda" else "gloo")
         groups = build_process_groups(layout, rank)
         tokenizer = load_tokenizer(job.model.path)
@@ -77,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             from hpcrl.runtime.worker import serve
 
             peers: dict[str, object] = {}
+            device = f"cuda:{layout.local_device[rank]}" if profile.device == "cuda" else "cpu"
             for name in layout.roles_on(rank):
                 ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], groups.sync,
-                                  groups.sync_src, peers)
+                                  groups.sync_src, peers, device)
                 peers[name] = ROLE_CLASSES[name](ctx)
             serve(peers)
             code = 0

@@ -25,6 +25,7 @@ class RoleLayout:
 class WorldLayout:
     world_size: int
     roles: dict[str, RoleLayout]
+    local_device: dict[int, int]   # worker rank -> device index on its node (the GPU it drives)
 
     def roles_on(self, rank: int) -> list[str]:
         return [name for name, role in self.roles.items() if rank in role.ranks]
@@ -38,4 +39,5 @@ class WorldLayout:
 def world_layout(plan: Plan) -> WorldLayout:
     roles = {name: RoleLayout(name, list(role.ranks), [list(g) for g in role.rank_groups["dp"]])
              for name, role in plan.roles.items()}
-    return WorldLayout(plan.world_size, roles)
+    local_device = {rank: plan.slot_of_rank(rank) % plan.devices_per_node for rank in range(1, plan.world_size)}
+    return WorldLayout(plan.world_size, roles, local_device)

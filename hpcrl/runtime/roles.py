@@ -29,6 +29,7 @@ class RoleContext:
     sync_group: dist.ProcessGroup | None
     sync_src: int
     peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
+    device: str = "cpu"       # "cuda:<local device>" on GPU nodes
 
 
 def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> torch.Generator:
@@ -40,7 +41,7 @@ class ActorTrain:
     def __init__(self, ctx: RoleContext):
         job = ctx.job
         self.ctx = ctx
-        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed), job, ctx.tokenizer.pad_token_id,
+        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device), job, ctx.tokenizer.pad_token_id,
                                     ctx.dp_group)
 
     def logprobs(self, batch: Batch) -> Batch:
@@ -82,7 +83,7 @@ class Reference:
 
     def __init__(self, ctx: RoleContext):
         job = ctx.job
-        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed), job, ctx.tokenizer.pad_token_id,
+        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device), job, ctx.tokenizer.pad_token_id,
                                     ctx.dp_group, trainable=False)
 
     def logprobs(self, batch: Batch) -> Batch:
@@ -93,7 +94,7 @@ class ActorInfer:
     def __init__(self, ctx: RoleContext):
         job = self.job = ctx.job
         self.ctx = ctx
-        self.model = build_model(job.model, ctx.tokenizer, job.seed)
+        self.model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
         self.model.requires_grad_(False)
         self.sampler = NativeSampler(self.model, ctx.tokenizer.eos_token_id, ctx.tokenizer.pad_token_id)
         rollout = job.rollout

@@ -39,16 +39,17 @@ def broadcast_named(weights: Iterable[tuple[str, torch.Tensor]] | None, src: int
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[NamedTensors]:
     """Yield the weights bucket by bucket: sent from `weights` on `src`, received elsewhere."""
     sending = dist.get_rank() == src
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     tensors = dict(weights) if sending else {}
     holder = [[(n, tuple(t.shape), t.dtype) for n, t in tensors.items()] if sending else None]
     dist.broadcast_object_list(holder, src=src, group=group)
     for bucket in plan_buckets(holder[0], bucket_bytes):
         if sending:
-            flat = _flatten_dense_tensors([tensors[name].contiguous() for name, _, _ in bucket])
+            flat = _flatten_dense_tensors([tensors[name].to(device).contiguous() for name, _, _ in bucket])
         else:
-            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in bucket), dtype=bucket[0][2])
+            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in bucket), dtype=bucket[0][2], device=device)
         dist.broadcast(flat, src=src, group=group)
-        templates = [torch.empty(shape, dtype=dtype) for _, shape, dtype in bucket]
+        templates = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in bucket]
         yield [(name, value) for (name, _, _), value in zip(bucket, _unflatten_dense_tensors(flat, templates))]
 
 
@@ -57,5 +58,5 @@ def weights_digest(module: torch.nn.Module) -> str:
     """SHA-256 of every parameter's bytes, in order: equal digests mean bit-identical weights."""
     digest = hashlib.sha256()
     for param in module.parameters():
-        digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
