@@ -70,8 +70,9 @@ def test_dynamic_sampling_never_trains_on_a_zero_variance_group():
     finish(s, groups, [1.0, 1.0, 0.0, 1.0])     # the first group has equal rewards
     assert groups[0].state is SampleState.FILTERED and not s.ready(1)
     _, attempt, refill = s.next_round(0, 1)
-    assert attempt == 1 and len(refill) == 1, "the batch is refilled from the queue"
-    finish(s, refill, [0.0, 0.5])
+    assert attempt == 1 and len(refill) == 2, "a refill round is a full round from the queue"
+    finish(s, refill, [0.0, 0.5, 1.0, 0.0])
+    assert refill[1].state is SampleState.ABORTED, "the batch was full without it"
     taken, _ = s.take(1)
     assert [g.group_id for g in taken] == [groups[1].group_id, refill[0].group_id]
     assert all(len(set(g.rewards)) > 1 for g in taken)

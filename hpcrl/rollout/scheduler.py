@@ -55,7 +55,10 @@ class RolloutScheduler:
                 break
             missing = self.missing(batch)
             if missing > 0:
-                attempt, groups = self._start_round(batch, missing, rollout_version)
+                # A refill round is a full round (as in DAPO): when few groups survive the filter,
+                # asking for just the missing ones would take many small rounds; extras are aborted.
+                count = missing if self.attempts[batch] == 0 else self.groups_per_batch
+                attempt, groups = self._start_round(batch, count, rollout_version)
                 return batch, attempt, groups
         return None
 
