@@ -10,7 +10,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, report_and_wait
+# Before anything slow (MPI, torch): SIGUSR1's default action would kill the rank before it could
+# checkpoint, and the handler stays installed until the process has exited.
+from hpcrl.checkpoint import PreemptionSignal
+
+PREEMPTION = PreemptionSignal().install()
+
+from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, report_and_wait  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,10 +53,6 @@ def _load_on_controller(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    # First of all: SIGUSR1's default action would kill the rank before it could checkpoint.
-    from hpcrl.checkpoint import PreemptionSignal
-
-    preemption = PreemptionSignal().install()
     args = _parse(argv)
     job, profile, layout = _load_on_controller(args)
     import torch.distributed as dist
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller
 
-            controller = Controller(job, layout, tokenizer, Path(args.run_dir), preemption)
+            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION)
             code = controller.run()
             controller.shutdown()
         else:

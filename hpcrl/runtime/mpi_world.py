@@ -70,15 +70,21 @@ def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
                             world_size=COMM.Get_size(), timeout=timedelta(seconds=timeout_s))
 
 
+def _hosts() -> list[str]:
+    """Every rank's host name, in rank order (by name: MPI's shared-memory split is not reliable
+    under every launcher; with srun's PMI2 and the pip MPICH it put each rank on its own)."""
+    return COMM.allgather(socket.gethostname())
+
+
 def _same_host_everywhere() -> bool:
-    return len(set(COMM.allgather(socket.gethostname()))) == 1
+    return len(set(_hosts())) == 1
 
 
 def set_cpu_threads() -> None:
-    """Share the node's cores among the ranks on it, so oversubscribed ranks don't thrash."""
+    """Share the node's cores among the ranks on it, so oversubscribed ranks don't thrash. The count
+    depends only on cores and ranks per node, so a run computes the same under mpiexec and srun."""
     import torch
 
-    local = COMM.Split_type(MPI.COMM_TYPE_SHARED)
+    hosts = _hosts()
     cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, cores // local.Get_size()))
-    local.Free()
+    torch.set_num_threads(max(1, cores // hosts.count(socket.gethostname())))
