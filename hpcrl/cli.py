@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hpcrl.config import ConfigError, load_job, load_profile
+from hpcrl.config.constants import EXIT_REQUEUE
 
 EPILOG = """\
 examples:
@@ -57,9 +58,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     code = run_local(job, profile, args.cluster, plan, run_dir)
     if code == 0:
         print(f"hpcrl: done. Metrics: {run_dir / 'metrics.jsonl'}; plot them with `hpcrl report {run_dir}`")
+    elif code == EXIT_REQUEUE:
+        print(f"hpcrl: stopped by a signal after saving a checkpoint; the same command resumes it", file=sys.stderr)
     else:
         print(f"hpcrl: the run failed (exit code {code}); the cause is printed above by rank 0", file=sys.stderr)
     return code
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpcrl.launch.scheduler import find_tool
+    from hpcrl.launch.slurm import SubmitError, describe_submission, describe_sweep, prepare_submission
+    from hpcrl.placement import format_plan
+
+    submission = prepare_submission(args.job, args.cluster, args.overrides, args.chain, args.run_dir)
+    if args.dry_run:
+        print(submission.script, end="")
+        print()
+        print(format_plan(submission.plan))
+        if submission.sweep:
+            print(f"sweep: {len(submission.sweep)} array tasks, each in its own run directory")
+            print(describe_sweep(submission.sweep))
+        sbatch = find_tool("sbatch")
+        where = f"sbatch is {sbatch}" if sbatch else "sbatch not found on this machine"
+        print(f"dry run: nothing written or submitted ({where}); the script would go to {submission.script_path}")
+        return 0
+    if (submission.run_root / "metrics.jsonl").exists() and submission.kind != "sweep":
+        print(f"hpcrl: note: {submission.run_root} already holds a run: the job resumes from its newest "
+              "checkpoint there (use --run-dir for a fresh run)")
+    submission.write()
+    try:
+        job_id = submission.sbatch()
+    except SubmitError as exc:
+        print(f"hpcrl: error: {exc}", file=sys.stderr)
+        return 1
+    print(describe_submission(submission, job_id))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpcrl.launch.status import status_main
+
+    return status_main(args.run_dirs, as_json=args.json)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -87,6 +126,28 @@ def build_parser() -> argparse.ArgumentParser:
     _job_arguments(run)
     run.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<name>)")
     run.set_defaults(func=cmd_run)
+
+    submit = sub.add_parser("submit", help="submit the job to Slurm (sbatch), or show the script with --dry-run",
+                            description="Validate the job and the cluster profile, compile the plan, write "
+                            "RUN_DIR/job.sbatch from templates/job.sbatch.j2 and submit it with sbatch. A job with "
+                            "a sweep: block becomes one job array (a run directory per combination).")
+    _job_arguments(submit)
+    for action in submit._actions:
+        if action.dest == "cluster":
+            action.required, action.help = True, "Slurm cluster profile YAML, e.g. clusters/slurm-local.yaml"
+    submit.add_argument("--dry-run", action="store_true",
+                        help="print the batch script and the plan; write and submit nothing (works without Slurm)")
+    submit.add_argument("--chain", type=int, default=1, metavar="K",
+                        help="K array tasks that run one after another, each resuming from the newest checkpoint")
+    submit.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<name>)")
+    submit.set_defaults(func=cmd_submit)
+
+    status = sub.add_parser("status", help="state, progress and last reward of submitted runs",
+                            description="For each run: its Slurm job (squeue/scontrol, sacct where accounting "
+                            "runs, else the run's own files), the step reached, the last reward_mean, restarts.")
+    status.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories (default: every run under runs/)")
+    status.add_argument("--json", action="store_true", help="print the rows as JSON")
+    status.set_defaults(func=cmd_status)
 
     report = sub.add_parser("report", help="plot a run's reward curve to report.png",
                             description="Read RUN_DIR/metrics.jsonl, print a summary, write RUN_DIR/report.png.")

@@ -68,6 +68,7 @@ class TaskConfig(Schema):
 
     name: Literal["addition"] = "addition"
     digits: PositiveInt = Field(1, description="digits per operand: 1 gives 100 distinct prompts")
+    modulus: PositiveInt | None = Field(None, description="answer (a+b) mod this: 10 keeps only the units digit")
     eval_size: NonNegativeInt = 0
 
 

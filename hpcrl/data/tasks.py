@@ -14,10 +14,11 @@ class Prompt:
     answer: str
 
 
-def addition_prompts(digits: int) -> list[Prompt]:
-    """Every `a+b=` with operands of up to `digits` digits, in a fixed order (the sampler shuffles)."""
+def addition_prompts(digits: int, modulus: int | None = None) -> list[Prompt]:
+    """Every `a+b=` with operands of up to `digits` digits, in a fixed order (the sampler shuffles).
+    With a modulus the answer is (a+b) mod it, which spreads the answers evenly over the prompts."""
     limit = 10**digits
-    return [Prompt(f"{a}+{b}=", str(a + b)) for a in range(limit) for b in range(limit)]
+    return [Prompt(f"{a}+{b}=", str((a + b) % modulus if modulus else a + b)) for a in range(limit) for b in range(limit)]
 
 
 def file_prompts(path: str, prompt_key: str, answer_key: str) -> list[Prompt]:
@@ -37,6 +38,6 @@ def file_prompts(path: str, prompt_key: str, answer_key: str) -> list[Prompt]:
 
 def load_prompts(job: JobConfig) -> list[Prompt]:
     if job.task is not None:
-        return addition_prompts(job.task.digits)
+        return addition_prompts(job.task.digits, job.task.modulus)
     assert job.dataset is not None
     return file_prompts(job.dataset.path, job.dataset.prompt_key, job.dataset.answer_key)
