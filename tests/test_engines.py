@@ -58,3 +58,19 @@ def test_temperature_scales_the_logprobs():
 
     cold = token_logprobs(logits, torch.tensor([0]), temperature=0.5)
     assert torch.allclose(cold, torch.log_softmax(logits / 0.5, -1)[:, 0])
+
+
+def test_every_loss_aggregation_trains():
+    from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+
+    _, tokenizer, _ = tiny()
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        job = load_job(REPO / "jobs" / "tiny_grpo.yaml", [f"algorithm.loss_agg={mode}"])
+        trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
+        prompts, responses = [tokenizer.encode("1+2=")] * 4, [[6, 2], [5], [7, 2], [4, 4, 2]]
+        old = trainer.logprobs(prompts, responses)
+        before = [p.clone() for p in trainer.module.parameters()]
+        metrics = trainer.train_step(Samples(prompts, responses, {
+            "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}))
+        assert torch.isfinite(torch.tensor(metrics["loss"]))
+        assert any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters())), mode

@@ -59,7 +59,7 @@ class GPTShape:
     tied: bool
 
     @classmethod
-    def from_hf(cls, config) -> "GPTShape":
+    def from_hf(cls, config) -> GPTShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
                    bool(config.tie_word_embeddings))

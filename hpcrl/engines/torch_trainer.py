@@ -109,7 +109,11 @@ class TorchTrainer:
                 mb = {k: v[index] for k, v in batch.items()}
                 mt = {k: v[index] for k, v in token.items()}
                 mask = mb["response_mask"]
-                global_tokens = self._global_tokens(mask)
+                # token-mean over the whole minibatch: every rank divides by the global token count and
+                # DDP's average is undone by `scale`; the seq-mean modes are means of per-rank means.
+                token_mean = algo.loss_agg == "token-mean"
+                global_tokens = self._global_tokens(mask) if token_mean else None
+                scale = self.dp_size if token_mean else 1
                 logp, entropy = response_logprobs(self.model, mb, self.job.rollout.temperature, with_entropy=True)
                 loss_fn = gspo_loss if algo.policy_loss == "gspo" else ppo_clip_loss
                 extra = {"dual_clip_c": algo.dual_clip_c} if algo.policy_loss == "ppo_clip" else {}
@@ -122,16 +126,15 @@ class TorchTrainer:
                     kl = aggregate_loss(kl_penalty(logp, mt["ref_logprobs"], algo.kl_estimator), mask,
                                         algo.loss_agg, global_tokens)
                     loss = loss + algo.kl_coef * kl
-                    metrics["kl_loss"] = float(kl.detach()) * self.dp_size
+                    metrics["kl_loss"] = float(kl.detach()) * scale
                 if algo.entropy_coef > 0:
                     loss = loss - algo.entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, global_tokens)
-                # DDP averages gradients over DP ranks; each rank's loss is a share of the global sum.
                 self.optimizer.zero_grad(set_to_none=True)
-                (loss * self.dp_size).backward()
+                (loss * scale).backward()
                 if train.grad_clip is not None:
                     metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip))
                 self.optimizer.step()
-                metrics["loss"] = float(loss.detach()) * self.dp_size
+                metrics["loss"] = float(loss.detach()) * scale
                 metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))

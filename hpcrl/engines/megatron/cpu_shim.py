@@ -1,12 +1,14 @@
 """Let megatron-core run on a CPU-only torch (tests, the local profile): a stand-in for the GPU.
 
 megatron-core assumes CUDA: it asks `torch.cuda` for the current device and the RNG states it
-forks (tensor-parallel regions), builds a few tensors with `device="cuda"` (token counts in the
-pipeline schedules, the grad-norm buffers, the default causal mask) and calls `.cuda()` on the
-tied output layer. Without CUDA each raises "Torch not compiled with CUDA enabled". Applied only
-when no GPU exists, before megatron-core builds anything, this maps "cuda" to the CPU and the
-CUDA RNG to the CPU generator (see shared/notes/FINDINGS.md). Nothing that works changes: on a
-CPU-only torch every one of these calls fails anyway.
+forks (tensor-parallel regions), synchronises the device after pipeline sends, builds a few
+tensors with `device="cuda"` (token counts in the pipeline schedules, the grad-norm buffers, the
+default causal mask), calls `.cuda()` on the tied output layer, and the distributed optimizer
+accepts only parameters whose `.type()` is "torch.cuda.*Tensor". Without CUDA these raise or
+refuse. Applied only when no GPU exists, before megatron-core builds anything, this maps "cuda"
+to the CPU, the CUDA RNG to the CPU generator, and reports CPU tensors as their CUDA types (see
+shared/notes/FINDINGS.md). On a CPU-only torch the CUDA calls fail anyway; only the type name
+that `.type()` reports changes.
 """
 from __future__ import annotations
 
@@ -28,6 +30,15 @@ def _on_cpu(factory):
     return wrapper
 
 
+def _cuda_type_name(real_type):
+    @functools.wraps(real_type)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            return real_type(self).replace("torch.", "torch.cuda.", 1)
+        return real_type(self, dtype, non_blocking, **kwargs)
+    return type_
+
+
 def apply_if_no_cuda() -> None:
     global _applied
     if _applied or torch.cuda.is_available():
@@ -35,6 +46,7 @@ def apply_if_no_cuda() -> None:
     import megatron.core.tensor_parallel.random as mcore_random
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # CPU work is synchronous
     # Not torch.manual_seed: it calls cuda.manual_seed_all, which would recurse.
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None
@@ -43,6 +55,7 @@ def apply_if_no_cuda() -> None:
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.type = _cuda_type_name(torch.Tensor.type)
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     _applied = True

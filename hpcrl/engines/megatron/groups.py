@@ -13,7 +13,8 @@ the role's local ranks, mapped to world ranks; for tp/pp/cp/ep/dp they are the p
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -46,27 +47,47 @@ def role_rank_groups(parallel: Mapping[str, int], ranks: Sequence[int]) -> dict[
     return {kind: [[ranks[i] for i in group] for group in groups] for kind, groups in local.items()}
 
 
-def new_role_groups(groups: Mapping[str, list[list[int]]], rank: int) -> dict[str, dist.ProcessGroup] | None:
+def new_role_groups(groups: Mapping[str, list[list[int]]], rank: int) -> dict[str, dist.ProcessGroup | None] | None:
     """Create the groups on every rank of the world (new_group is collective over the default group).
 
     Each distinct rank list is created once, in a fixed order, so every rank makes the same calls.
-    Returns this rank's group of each kind, or None when the rank is not in the role.
+    Returns this rank's group of each kind (None for a kind it is in no group of, e.g. `embd` on a
+    middle pipeline stage), or None when the rank is not in the role.
     """
     created: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    mine: dict[str, dist.ProcessGroup] = {}
+    mine: dict[str, dist.ProcessGroup | None] = {}
     for kind in sorted(groups):
+        mine[kind] = None
         for ranks in groups[kind]:
             key = tuple(ranks)
             if key not in created:
                 created[key] = dist.new_group(list(key))
             if rank in key:
                 mine[kind] = created[key]
-    return mine or None
+    return mine if mine["intra_dist_opt"] is not None else None
 
 
-def pg_collection(mine: Mapping[str, dist.ProcessGroup]):
+def pg_collection(mine: Mapping[str, dist.ProcessGroup | None]):
     """megatron-core's ProcessGroupCollection of this rank's groups (imports megatron)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection(**mine, **{alias: mine[kind] for alias, kind in _ALIASES.items()},
                                   inter_dist_opt=None)
+
+
+@contextmanager
+def default_group_is(role_group: dist.ProcessGroup) -> Iterator[None]:
+    """Within this block, collectives that name no group use `role_group` instead of the whole world.
+
+    megatron-core 0.16's `get_megatron_optimizer` aligns parameter groups with one
+    `all_gather_object` over the default group, which would wait for ranks outside the role (the
+    controller) forever. Only the two calls it makes are redirected, for the duration of the call.
+    """
+    real_size, real_gather = dist.get_world_size, dist.all_gather_object
+    dist.get_world_size = lambda group=None: real_size(group if group is not None else role_group)
+    dist.all_gather_object = lambda out, obj, group=None: real_gather(
+        out, obj, group=group if group is not None else role_group)
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.all_gather_object = real_size, real_gather

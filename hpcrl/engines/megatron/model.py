@@ -10,8 +10,9 @@ from hpcrl.engines.megatron.cpu_shim import apply_if_no_cuda
 from hpcrl.engines.resharding import GPTShape, hf_to_mcore, stage_state
 
 
-def build_gpt_model(hf_model: torch.nn.Module, parallel: Mapping[str, int], pgc, seed: int) -> torch.nn.Module:
-    """The GPTModel stage of this rank (TP shard of PP stage), holding `hf_model`'s weights.
+def build_gpt_model(hf_model: torch.nn.Module, pgc, seed: int) -> torch.nn.Module:
+    """The GPTModel stage of this rank (TP shard of PP stage, sizes from the groups in `pgc`),
+    holding `hf_model`'s weights.
 
     Uses megatron-core's local layer spec (no Transformer Engine or Apex needed). Weights are
     built on the CPU, loaded, then moved to the current device; bf16/fp16 models are wrapped in
@@ -29,6 +30,7 @@ def build_gpt_model(hf_model: torch.nn.Module, parallel: Mapping[str, int], pgc,
         parallel_state._set_global_memory_buffer()
     hf_config = hf_model.config
     dtype = next(hf_model.parameters()).dtype
+    parallel = {kind: getattr(pgc, kind).size() for kind in ("tp", "pp", "cp", "ep")}
     config = TransformerConfig(**transformer_config_kwargs(hf_config, parallel, dtype))
     tp_rank, pp_rank, pp = pgc.tp.rank(), pgc.pp.rank(), pgc.pp.size()
     model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)

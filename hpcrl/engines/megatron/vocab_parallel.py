@@ -1,10 +1,14 @@
 """Log-probabilities and entropy from vocab-sharded logits, without gathering the vocabulary.
 
-With TP > 1 each rank holds logits for its slice of the vocabulary. The softmax normaliser, the
-picked token's logit and the expected logit are sums over the vocabulary: each rank reduces its
-slice, and one all-reduce over the TP group adds the slices. The reduction's backward is the
-identity (as megatron-core's `reduce_from_tensor_model_parallel_region`): every TP rank computes
-the same loss from the reduced values, so each slice's gradient is already complete.
+With TP > 1 each rank holds logits for its slice of the vocabulary. Both quantities are written
+as functions of three sums over the vocabulary of purely local terms, Z = sum exp(s),
+T = sum exp(s) * s and the picked logit (s = logits - max): log p = s_target - log Z and
+entropy = log Z - T / Z. Each rank sums its slice and an all-reduce over the TP group adds the
+slices. The reduction's backward is the identity (as megatron-core's
+`reduce_from_tensor_model_parallel_region`): every TP rank computes the same loss from the same
+sums, so the gradient it receives for a sum is already the whole one. (Computing the entropy as
+sum p * s with p = exp(s - log Z) would not do: part of log Z's gradient would then flow through
+the other ranks' slices only.)
 """
 from __future__ import annotations
 
@@ -43,13 +47,13 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group: 
     if group is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - peak
-    log_normaliser = _sum(shifted.exp().sum(-1), group).log()
+    exp = shifted.exp()
+    normaliser = _sum(exp.sum(-1), group)
     local = targets - start
     owned = (local >= 0) & (local < shard)
     picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * owned
-    logprobs = _sum(picked, group) - log_normaliser
+    logprobs = _sum(picked, group) - normaliser.log()
     entropy = None
     if with_entropy:
-        probs = (shifted - log_normaliser.unsqueeze(-1)).exp()
-        entropy = log_normaliser - _sum((probs * shifted).sum(-1), group)
+        entropy = normaliser.log() - _sum((exp * shifted).sum(-1), group) / normaliser
     return logprobs, entropy

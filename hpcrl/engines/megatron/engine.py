@@ -1,0 +1,213 @@
+"""The megatron training engine: megatron-core GPTModel with TP/PP/DP and the distributed optimizer.
+
+It implements hpcrl.engines.base.TrainingEngine like the torch engine, from the same HF model
+(so both start from the same weights), with the same losses (hpcrl.algos via `objective`). One
+instance lives on every rank of the role; `groups` are this rank's process groups of the role
+(see `groups.py`: every world rank creates them, collectively, before any engine is built).
+Forward and backward run through megatron-core's pipeline schedules, also when pp = 1.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.config.job import JobConfig
+from hpcrl.engines.megatron.groups import default_group_is, pg_collection
+from hpcrl.engines.megatron.model import build_gpt_model
+from hpcrl.engines.megatron.objective import policy_objective
+from hpcrl.engines.megatron.offload import release, restore
+from hpcrl.engines.megatron.packing import causal_mask, micro_batch_count, micro_batches, pack
+from hpcrl.engines.megatron.vocab_parallel import vocab_parallel_logprobs
+from hpcrl.engines.resharding import GPTShape, gather_hf
+from hpcrl.engines.torch_trainer import Samples
+
+
+class MegatronTrainer:
+    def __init__(self, model: torch.nn.Module, job: JobConfig, pad_id: int,
+                 groups: Mapping[str, dist.ProcessGroup | None], trainable: bool = True):
+        """`model` is the HF model every rank builds (hf_model.build_model); its weights are copied
+        into this rank's Megatron shard and it can be dropped afterwards."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        self.job = job
+        self.pad_id = pad_id
+        self.pgc = pg_collection(groups)
+        self.shape = GPTShape.from_hf(model.config)
+        self.model = build_gpt_model(model, self.pgc, job.seed)
+        self.gpt = getattr(self.model, "module", self.model)  # the GPTModel inside Float16Module
+        self.config = self.gpt.config
+        self.device = next(self.gpt.parameters()).device
+        self.forward_backward = partial(get_forward_backward_func(pp_size=self.pgc.pp.size()),
+                                        p2p_communicator=P2PCommunicator(self.pgc.pp, self.config),
+                                        pg_collection=self.pgc)
+        self.optimizer = None
+        self._offloaded: list = []
+        if not trainable:
+            self.model.requires_grad_(False)
+            self.model.eval()
+            return
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        self.model = DistributedDataParallel(self.config, ddp_config, self.model, pg_collection=self.pgc)
+        dtype = self.config.params_dtype
+        train = job.train
+        with default_group_is(self.pgc.intra_dist_opt):  # all ranks of the role
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=train.lr, weight_decay=train.weight_decay,
+                                clip_grad=train.grad_clip or 0.0, bf16=dtype == torch.bfloat16,
+                                fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True),
+                [self.model], use_gloo_process_groups=False, pg_collection=self.pgc)
+        self.config.no_sync_func = self.model.no_sync
+        # hpcrl's losses are normalised by minibatch totals already: gradients are summed over
+        # micro-batches and DP ranks (calculate_per_token_loss) and never rescaled by a token count.
+        self.config.finalize_model_grads_func = (
+            lambda model, num_tokens, pg_collection=None, force_all_reduce=False:
+            finalize_model_grads(model, None, pg_collection=self.pgc, force_all_reduce=force_all_reduce))
+
+    # ---- forward ---------------------------------------------------------------------------------------------------
+
+    def _run(self, batch: dict[str, torch.Tensor], loss_func, forward_only: bool) -> list[dict]:
+        """Forward (and backward) over `batch` in micro-batches; the loss outputs of the last stage."""
+        count = micro_batch_count(batch["tokens"].shape[0], self.pgc.pp.size())
+        length = batch["tokens"].shape[1]
+        mask = causal_mask(length, self.device)
+        positions = torch.arange(length, device=self.device)
+        micro = [{k: v.to(self.device) for k, v in mb.items()} for mb in micro_batches(batch, count)]
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["tokens"], positions.expand_as(mb["tokens"]), mask)
+            return output, partial(loss_func, mb)
+
+        return self.forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+                                     num_microbatches=count, seq_length=length,
+                                     micro_batch_size=micro[0]["tokens"].shape[0], forward_only=forward_only)
+
+    def _response_logprobs(self, mb: dict[str, torch.Tensor], logits: torch.Tensor,
+                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n, R] log-probabilities (and entropy) of the response tokens under softmax(logits / T)."""
+        logp, entropy = vocab_parallel_logprobs(logits / self.job.rollout.temperature, mb["targets"], self.pgc.tp,
+                                                with_entropy)
+        pick = partial(torch.gather, dim=1, index=mb["index"])
+        return pick(logp), (pick(entropy) if entropy is not None else None)
+
+    def _from_last_stage(self, value):
+        """Share a Python object computed on the last pipeline stage with the whole PP group."""
+        pp = self.pgc.pp.size()
+        if pp == 1:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, group=self.pgc.pp, group_src=pp - 1)
+        return holder[0]
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probabilities of the responses; the same list on every rank of the replica."""
+        self.model.eval()
+
+        def loss_func(mb, logits):
+            logp, _ = self._response_logprobs(mb, logits, with_entropy=False)
+            return logp.sum() * 0, mb["response_mask"].sum().int(), {"logprobs": logp.cpu()}
+
+        outputs = self._run(pack(prompt_ids, response_ids, self.pad_id), loss_func, forward_only=True)
+        rows = torch.cat([o["logprobs"] for o in outputs]).tolist() if outputs else None
+        rows = self._from_last_stage(rows)
+        return [row[: len(r)] for row, r in zip(rows, response_ids)]
+
+    # ---- training --------------------------------------------------------------------------------------------------
+
+    def _dp_sum(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.pgc.dp)
+        return float(total.item())
+
+    def _policy_loss(self, mb: dict[str, torch.Tensor], logits: torch.Tensor, tokens: float,
+                     sequences: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Megatron's loss_func on the last stage: (loss share, token count, metrics)."""
+        logp, entropy = self._response_logprobs(mb, logits, with_entropy=True)
+        mask = mb["response_mask"]
+        loss, metrics = policy_objective(logp, entropy, mb, mask, self.job.algorithm, tokens, sequences)
+        metrics.update(loss=float(loss.detach()), entropy_sum=float((entropy.detach() * mask).sum()),
+                       tokens=float(mask.sum()))
+        return loss, mask.sum().int(), metrics
+
+    def train_step(self, samples: Samples) -> dict[str, float]:
+        """`ppo_epochs` passes over this DP shard, each in `minibatches` optimizer steps."""
+        train = self.job.train
+        batch = pack(samples.prompt_ids, samples.response_ids, self.pad_id, samples.columns)
+        n = batch["tokens"].shape[0]
+        if n % train.minibatches:
+            raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
+        self.model.train()
+        history: dict[str, list[float]] = {}
+        for _ in range(train.ppo_epochs):
+            for minibatch in micro_batches(batch, train.minibatches):
+                loss_func = partial(self._policy_loss, tokens=self._dp_sum(float(minibatch["response_mask"].sum())),
+                                    sequences=int(self._dp_sum(float(minibatch["tokens"].shape[0]))))
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                outputs = self._run(minibatch, loss_func, forward_only=False)
+                _, grad_norm, _ = self.optimizer.step()
+                metrics = self._from_last_stage(_minibatch_metrics(outputs, self.pgc.dp.size()))
+                if train.grad_clip is not None and grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                for key, value in metrics.items():
+                    history.setdefault(key, []).append(value)
+        return {key: sum(values) / len(values) for key, values in history.items()}
+
+    # ---- weights ---------------------------------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, yielded on the first rank of DP replica 0 (TP rank 0, PP stage 0).
+
+        Collective over the replica's TP and PP ranks; other replicas hold the same weights and
+        return at once, so every rank of the role may call it.
+        """
+        if self.pgc.dp.rank() != 0:
+            return iter(())
+        local = [(name, p.detach()) for name, p in self.gpt.named_parameters()]
+        return gather_hf(local, self.shape, self.pgc.tp, self.pgc.pp)
+
+    def offload(self) -> None:
+        """Free device memory: weights, gradient buffers, optimizer state (no-op on a CPU engine)."""
+        if self.device.type != "cpu" and not self._offloaded:
+            self._offloaded = release(self._device_tensors())
+
+    def reload(self) -> None:
+        restore(self._offloaded)
+        self._offloaded = []
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        """Weights, gradients (views of DDP's buffers) and optimizer state: what offload moves."""
+        tensors = list(self.model.parameters())
+        tensors += [p.main_grad for p in tensors if getattr(p, "main_grad", None) is not None]
+        if self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
+                tensors += [v for state in opt.optimizer.state.values() for v in state.values()
+                            if isinstance(v, torch.Tensor)]
+        return tensors
+
+
+def _minibatch_metrics(outputs: list[dict], dp: int) -> dict[str, float] | None:
+    """One minibatch's metrics from its micro-batches (on the last stage; None elsewhere).
+
+    `loss` and `kl_loss` are shares of the global loss: summed, and scaled by the DP size to
+    estimate the global value from this replica (as the torch engine reports it). The others are
+    token-weighted means over this replica's micro-batches.
+    """
+    if not outputs:
+        return None
+    tokens = sum(o["tokens"] for o in outputs)
+    summed = {"loss", "kl_loss"}
+    metrics = {k: sum(o[k] for o in outputs) * dp for k in summed if k in outputs[0]}
+    for key in outputs[0].keys() - summed - {"tokens", "entropy_sum"}:
+        metrics[key] = sum(o[key] * o["tokens"] for o in outputs) / max(tokens, 1.0)
+    metrics["entropy"] = sum(o["entropy_sum"] for o in outputs) / max(tokens, 1.0)
+    return metrics

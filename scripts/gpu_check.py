@@ -1,0 +1,192 @@
+"""The GPU check of the GPU engines: a few GRPO steps of a tiny Qwen2, megatron (TP=1) training and
+vllm rollout on one GPU, with the weight sync between them.
+
+Each step: the rollout samples, the trainer recomputes the log-probabilities of the same tokens
+(their mean absolute difference must stay under --tolerance nats), trains, and sends its
+weights back. Prints tokens/s and the weight-sync time. Started by scripts/gpu_check.sh; stops
+at the first thing that fails, saying what and why; exit status 0 only if every check passed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import socket
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def fail(message: str) -> None:
+    print(f"gpu_check: FAIL: {message}", flush=True)
+    sys.exit(1)
+
+
+def say(message: str) -> None:
+    print(f"gpu_check: {message}", flush=True)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--rollout", default="auto", choices=["auto", "vllm", "native"],
+                        help="auto: vllm if importable, else the native sampler (on the CPU), said loudly")
+    parser.add_argument("--tolerance", type=float, default=0.02, help="max mean |logprob difference| in nats")
+    return parser.parse_args()
+
+
+def preflight(args: argparse.Namespace) -> str:
+    """Everything that can fail before minutes are spent: GPU, packages. Returns the rollout engine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        fail(f"torch sees no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    say(f"GPU {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    for module, hint in (("megatron.core", "run `scripts/gpu_check.sh --prepare` where pip works and carry "
+                          "build/gpu_wheels"), ("pydantic", "same: the prepared wheels include it")):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            fail(f"{module} is not importable: {hint}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if args.rollout == "vllm" and not has_vllm:
+        fail("vllm is not importable (it is too large to carry to a machine without a registry; install it "
+             "where one is reachable, or run with --rollout native to check the megatron engine alone)")
+    rollout = args.rollout if args.rollout != "auto" else ("vllm" if has_vllm else "native")
+    if rollout == "native":
+        say("NOTE: vllm is not installed here: the rollout is the native sampler on the CPU; "
+            "the vllm engine is NOT CHECKED by this run")
+    return rollout
+
+
+def one_rank_world() -> None:
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def build(args: argparse.Namespace, rollout_kind: str):
+    import copy
+
+    from hpcrl.config.job import JobConfig
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.hf_model import build_model
+    from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
+    from hpcrl.engines.registry import generation_engine, training_engine
+
+    job = JobConfig.model_validate({
+        "name": "gpu-check", "seed": 1, "task": {"name": "addition", "digits": 1},
+        "model": {"arch": "qwen2", "hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
+                  "intermediate_size": 704, "max_position_embeddings": 128, "tie_word_embeddings": False,
+                  "dtype": args.dtype},
+        "algorithm": {"name": "grpo", "group_size": args.group},
+        "train": {"prompts_per_step": args.prompts, "ppo_epochs": 1, "minibatches": 2, "lr": 1e-3},
+        "rollout": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+        "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {"engine": rollout_kind}},
+    })
+    tokenizer = CharTokenizer()
+    hf = build_model(job.model, tokenizer, job.seed)
+    started = time.perf_counter()
+    groups = new_role_groups(role_rank_groups({"tp": 1}, [0]), 0)
+    trainer = training_engine("megatron")(hf, job, tokenizer.pad_token_id, groups)
+    say(f"megatron engine built in {time.perf_counter() - started:.1f}s")
+    started = time.perf_counter()
+    if rollout_kind == "vllm":
+        rollout = generation_engine("vllm")(hf, tokenizer.eos_token_id, job.seed, gpu_memory_utilization=0.3,
+                                            enforce_eager=True)
+    else:
+        rollout = generation_engine("native")(copy.deepcopy(hf).float(), tokenizer.eos_token_id,
+                                              tokenizer.pad_token_id)
+    say(f"{rollout_kind} engine built in {time.perf_counter() - started:.1f}s")
+    return job, tokenizer, trainer, rollout
+
+
+def mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(diffs) / max(len(diffs), 1)
+
+
+def run(args: argparse.Namespace, rollout_kind: str) -> None:
+    import torch
+
+    from hpcrl.algos import grpo_advantages
+    from hpcrl.data import addition_prompts
+    from hpcrl.engines.native_sampler import SamplingParams
+    from hpcrl.engines.torch_trainer import Samples
+    from hpcrl.rewards import answer_reward
+
+    job, tokenizer, trainer, rollout = build(args, rollout_kind)
+    params = SamplingParams(job.rollout.max_new_tokens, job.rollout.temperature)
+    pool = addition_prompts(1)
+    rng = random.Random(0)
+    for step in range(1, args.steps + 1):
+        chosen = rng.sample(pool, args.prompts)
+        prompt_ids = [tokenizer.encode(p.text) for p in chosen for _ in range(args.group)]
+        answers = [p.answer for p in chosen for _ in range(args.group)]
+
+        started = time.perf_counter()
+        responses, behaviour = rollout.generate(prompt_ids, params, torch.Generator().manual_seed(step))
+        generate_s = time.perf_counter() - started
+        generated = sum(len(r) for r in responses)
+        if any(not r or tokenizer.eos_token_id in r[:-1] for r in responses):
+            fail(f"step {step}: the rollout returned an empty response or tokens after <eos>")
+
+        started = time.perf_counter()
+        old = trainer.logprobs(prompt_ids, responses)
+        logprobs_s = time.perf_counter() - started
+        gap = mean_gap(old, behaviour)
+        if not gap < args.tolerance:
+            fail(f"step {step}: trainer and rollout log-probabilities of the same tokens differ by {gap:.4f} nats "
+                 f"on average (tolerance {args.tolerance})")
+
+        rewards = [answer_reward(tokenizer.decode(r), a, stopped=r[-1] == tokenizer.eos_token_id)
+                   for r, a in zip(responses, answers)]
+        groups = torch.arange(len(rewards)) // args.group
+        advantages = grpo_advantages(torch.tensor(rewards), groups).tolist()
+        samples = Samples(prompt_ids, responses,
+                          {"old_logprobs": old, "advantages": [[a] * len(r) for a, r in zip(advantages, responses)]})
+        rollout.sleep()
+        started = time.perf_counter()
+        metrics = trainer.train_step(samples)
+        train_s = time.perf_counter() - started
+        if not all(map(lambda v: v == v and abs(v) != float("inf"), metrics.values())):
+            fail(f"step {step}: non-finite training metrics {metrics}")
+        moved = mean_gap(trainer.logprobs(prompt_ids, responses), old) if step == args.steps else None
+        rollout.wake()
+
+        started = time.perf_counter()
+        weights = list(trainer.named_weights())
+        rollout.load_weights(weights)
+        torch.cuda.synchronize()
+        sync_s = time.perf_counter() - started
+        megabytes = sum(t.numel() * t.element_size() for _, t in weights) / 2**20
+        trained_tokens = sum(len(p) + len(r) for p, r in zip(prompt_ids, responses))
+        say(f"step {step}: reward {sum(rewards) / len(rewards):.3f}  logprob gap {gap:.4f} nats  "
+            f"rollout {generated / generate_s:,.0f} tok/s  logprobs {trained_tokens / logprobs_s:,.0f} tok/s  "
+            f"train {trained_tokens / train_s:,.0f} tok/s  weight sync {sync_s * 1e3:.0f} ms ({megabytes:.1f} MiB)  "
+            f"loss {metrics['loss']:+.4f}  grad_norm {metrics.get('grad_norm', float('nan')):.3f}")
+    say(f"the last step moved the policy by {moved:.4f} nats per token (the sync check above is meaningful "
+        f"when this exceeds the tolerance {args.tolerance})")
+
+
+def main() -> None:
+    args = parse()
+    rollout_kind = preflight(args)
+    one_rank_world()
+    run(args, rollout_kind)
+    checked = "megatron + vllm" if rollout_kind == "vllm" else "megatron only (vllm NOT CHECKED)"
+    say(f"PASS: {checked}: {args.steps} GRPO steps, log-probabilities agree within {args.tolerance} nats")
+
+
+if __name__ == "__main__":
+    main()

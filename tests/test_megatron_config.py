@@ -1,0 +1,104 @@
+"""The megatron engine's pure parts (no megatron-core import): config translation, the role's rank
+groups against the compiled plan, the packed batch layout, and the engine registry."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, Qwen2Config
+
+from hpcrl.config import REPO_ROOT, load_job, load_profile
+from hpcrl.engines import registry
+from hpcrl.engines.megatron.config import gpt_model_kwargs, transformer_config_kwargs
+from hpcrl.engines.megatron.groups import role_rank_groups
+from hpcrl.engines.megatron.packing import micro_batch_count, micro_batches, pack
+from hpcrl.placement import compile_plan
+
+QWEN = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4, intermediate_size=96,
+            vocab_size=32, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+def test_qwen2_translates_to_gqa_swiglu_rmsnorm_rope_with_qkv_bias():
+    config = Qwen2Config(**QWEN, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False)
+    kwargs = transformer_config_kwargs(config, {"tp": 2, "pp": 2}, torch.bfloat16)
+    assert kwargs["num_attention_heads"] == 8 and kwargs["num_query_groups"] == 2 and kwargs["kv_channels"] == 8
+    assert kwargs["ffn_hidden_size"] == 96 and kwargs["num_layers"] == 4 and kwargs["hidden_size"] == 64
+    assert kwargs["normalization"] == "RMSNorm" and kwargs["layernorm_epsilon"] == 1e-5
+    assert kwargs["gated_linear_unit"] and kwargs["activation_func"] is F.silu
+    assert kwargs["add_qkv_bias"] and not kwargs["add_bias_linear"]
+    assert kwargs["tensor_model_parallel_size"] == 2 and kwargs["pipeline_model_parallel_size"] == 2
+    assert kwargs["bf16"] and not kwargs["fp16"] and kwargs["params_dtype"] is torch.bfloat16
+    assert kwargs["calculate_per_token_loss"], "hpcrl's losses are pre-normalised: Megatron must sum gradients"
+    model = gpt_model_kwargs(config)
+    assert model["rotary_base"] == 1e6 and model["position_embedding_type"] == "rope"
+    assert not model["share_embeddings_and_output_weights"] and model["vocab_size"] == 32
+
+
+def test_llama_has_no_qkv_bias_and_ties_embeddings_when_hf_does():
+    config = LlamaConfig(**QWEN, tie_word_embeddings=True, head_dim=16)
+    kwargs = transformer_config_kwargs(config, {}, torch.float32)
+    assert not kwargs["add_qkv_bias"] and kwargs["kv_channels"] == 16
+    assert gpt_model_kwargs(config)["share_embeddings_and_output_weights"]
+
+
+@pytest.mark.parametrize("change, parallel, message", [
+    ({}, {"cp": 2}, "cp > 1 needs Transformer Engine"),
+    ({}, {"ep": 2}, "expert parallelism needs a mixture-of-experts"),
+    ({}, {"tp": 4}, "num_kv_heads=2 is not divisible by tp=4"),
+    ({"vocab_size": 33}, {"tp": 2}, "vocab_size=33 is not divisible by tp=2"),
+    ({"hidden_act": "gelu"}, {}, "only SwiGLU"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, {}, "rope_type='yarn'"),
+])
+def test_what_the_converter_cannot_represent_is_refused_with_the_field_named(change, parallel, message):
+    with pytest.raises(ValueError, match=message):
+        transformer_config_kwargs(Qwen2Config(**{**QWEN, **change}), parallel, torch.float32)
+
+
+def test_role_groups_are_the_compiled_plans_rank_groups():
+    """The plan's tp/pp/cp/ep/dp groups (world ranks, controller at rank 0) are what the engine builds."""
+    plan = compile_plan(load_job(REPO_ROOT / "jobs" / "qwen2.5-7b-grpo.yaml"),
+                        load_profile(REPO_ROOT / "clusters" / "example-4x8-h100.yaml"))
+    role = plan.roles["actor_train"]
+    groups = role_rank_groups(role.parallel, role.ranks)
+    for kind in ("tp", "pp", "cp", "ep", "dp"):
+        assert groups[kind] == role.rank_groups[kind], kind
+    assert groups["mp"][0] == sorted(groups["tp"][0] + groups["tp"][len(groups["tp"]) // 2])  # tp x pp of replica 0
+    assert groups["embd"][0] == [groups["pp"][0][0], groups["pp"][0][-1]]
+    assert groups["intra_dist_opt"] == [list(role.ranks)]
+
+
+def test_packed_rows_start_at_column_zero_and_index_the_logits_that_predict_each_response_token():
+    batch = pack([[1, 5], [1, 6, 7, 8]], [[9, 2], [3]], pad_id=0, columns={"advantages": [[0.5, 0.5], [1.0]]})
+    assert batch["tokens"].tolist() == [[1, 5, 9, 2, 0], [1, 6, 7, 8, 3]]
+    assert batch["targets"].tolist() == [[5, 9, 2, 0, 0], [6, 7, 8, 3, 0]]
+    # response token j of row i is predicted by the logits at len(prompt_i) - 1 + j
+    picked = batch["targets"].gather(1, batch["index"])
+    assert picked[0].tolist() == [9, 2] and picked[1, 0].item() == 3
+    assert batch["response_mask"].tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    assert batch["advantages"].tolist() == [[0.5, 0.5], [1.0, 0.0]]
+
+
+def test_micro_batches_fill_the_pipeline_and_split_evenly():
+    assert micro_batch_count(8, 1) == 1 and micro_batch_count(8, 2) == 2 and micro_batch_count(6, 4) == 6
+    parts = micro_batches({"x": torch.arange(8)}, 4)
+    assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_registry_finds_engines_by_job_name_and_says_what_to_install():
+    from hpcrl.engines.native_sampler import NativeSampler
+    from hpcrl.engines.torch_trainer import TorchTrainer
+
+    assert registry.training_engine("torch") is TorchTrainer
+    assert registry.generation_engine("native") is NativeSampler
+    with pytest.raises(registry.EngineNotAvailable, match="not implemented yet"):
+        registry.training_engine("deepspeed")
+    with pytest.raises(registry.EngineNotAvailable, match="unknown generation engine 'sglang'"):
+        registry.generation_engine("sglang")
+
+
+def test_a_missing_extra_names_the_pip_command(monkeypatch):
+    monkeypatch.setattr(registry, "_installed", lambda module: False)
+    with pytest.raises(registry.EngineNotAvailable, match=r"engine 'vllm' needs `pip install hpcrl\[vllm\]`"):
+        registry.generation_engine("vllm")
+    with pytest.raises(registry.EngineNotAvailable, match=r"`pip install hpcrl\[megatron\]`"):
+        registry.training_engine("megatron")

@@ -1,0 +1,252 @@
+"""The megatron engine for real: megatron-core GPTModel on CPU over gloo, 3 MPI ranks.
+
+Rank 0 plays the controller (in no role, like the runtime's rank 0), ranks 1-2 host the Megatron
+role, so the groups are those of a sub-world. One MPI run goes through three layouts — TP=2,
+PP=2 (tied embeddings), DP=2 with the distributed optimizer — and in each compares the engine
+with the HF model and the torch engine on the same weights and data: log-probabilities, the
+weights gathered back to HF names (TP 2 -> 1, PP 2 -> 1), and two PPO optimizer steps.
+Run as a script (by the fixture) it is the MPI program; rank 1 writes the findings as JSON.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Checked without importing megatron-core here (10 s): only the MPI ranks need it.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="megatron-core is not installed (pip install hpcrl[megatron])")
+
+ROLE_RANKS = [1, 2]
+LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings)
+    "tp2": ({"tp": 2}, "qwen2", False),
+    "pp2": ({"pp": 2}, "llama", True),
+    "dp2": ({"dp": 2}, "qwen2", True),
+}
+
+
+@pytest.fixture(scope="module")
+def findings(tmp_path_factory) -> dict:
+    from hpcrl.launch.local import mpiexec_path
+
+    out = tmp_path_factory.mktemp("megatron") / "findings.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, __file__, str(out)], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_role_groups_are_megatron_rank_generator_groups_of_the_sub_world(findings, layout):
+    assert findings[layout]["groups_match_megatron"], findings[layout]["groups"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logprobs_equal_the_hf_model_on_the_same_weights(findings, layout):
+    assert findings[layout]["logprob_max_diff"] < 1e-5
+
+
+def test_gpt_model_logits_equal_hf_logits(findings):
+    assert findings["dp2"]["logits_max_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_named_weights_gather_shards_into_the_hf_tensors_bit_for_bit(findings, layout):
+    assert findings[layout]["named_weights_bitwise"], findings[layout]["named_weights_mismatch"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ppo_steps_match_the_torch_engine(findings, layout):
+    found = findings[layout]
+    assert found["trained_weights_max_diff"] < 2e-5, found
+    assert found["weights_changed"] > 1e-4
+    if layout != "dp2":  # with DP each replica reports its own shard's metrics
+        for key in ("loss", "entropy", "kl_loss", "clipfrac", "grad_norm"):
+            assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-4, (key, found)
+
+
+def test_vocab_parallel_logprobs_entropy_and_their_gradients_equal_the_full_vocabulary(findings):
+    assert findings["tp2"]["vocab_parallel_max_diff"] < 1e-5
+
+
+def test_offload_frees_storage_and_reload_restores_weights_and_optimizer_state(findings):
+    assert findings["dp2"]["offload_freed"] and findings["dp2"]["reload_bitwise"]
+
+
+# ---- the MPI program ---------------------------------------------------------------------------------------------
+
+
+def _job(arch: str, tied: bool):
+    from hpcrl.config.job import JobConfig
+
+    return JobConfig.model_validate({
+        "name": "megatron-test", "task": {"name": "addition"},
+        "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": 48, "tie_word_embeddings": tied},
+        "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01},
+        "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
+        "rollout": {"temperature": 0.9},
+        "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {}},
+    })
+
+
+def _samples(tokenizer, reference, generator):
+    import torch
+
+    from hpcrl.engines.torch_trainer import Samples
+
+    prompts = [[1] + torch.randint(3, tokenizer.vocab_size, (int(n),), generator=generator).tolist()
+               for n in torch.randint(1, 6, (8,), generator=generator)]
+    responses = [torch.randint(2, tokenizer.vocab_size, (int(n),), generator=generator).tolist()
+                 for n in torch.randint(1, 5, (8,), generator=generator)]
+    old = reference.logprobs(prompts, responses)
+    columns = {"old_logprobs": old,
+               "ref_logprobs": [[v - 0.1 for v in row] for row in old],
+               "advantages": [[float(torch.randn((), generator=generator))] * len(row) for row in old]}
+    return Samples(prompts, responses, columns)
+
+
+def _shard(samples, index: int, parts: int):
+    from hpcrl.engines.torch_trainer import Samples
+
+    n = len(samples.prompt_ids)
+    cut = slice(n * index // parts, n * (index + 1) // parts)
+    return Samples(samples.prompt_ids[cut], samples.response_ids[cut],
+                   {k: v[cut] for k, v in samples.columns.items()})
+
+
+def _max_diff(a, b) -> float:
+    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
+
+
+def _vocab_parallel_check(tp_group) -> float:
+    """Max difference of log p, entropy and the gradient of a mix of both, sharded vs whole vocabulary."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.engines.megatron.vocab_parallel import vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    logits, targets = torch.randn(3, 5, 8, generator=g), torch.randint(0, 8, (3, 5), generator=g)
+    weights = torch.randn(2, 3, 5, generator=g)
+    whole = logits.clone().requires_grad_()
+    logp_all = torch.log_softmax(whole, -1)
+    logp, entropy = logp_all.gather(-1, targets[..., None])[..., 0], -(logp_all.exp() * logp_all).sum(-1)
+    ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    rank, width = dist.get_rank(tp_group), 8 // dist.get_world_size(tp_group)
+    shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+    got_logp, got_entropy = vocab_parallel_logprobs(shard, targets, tp_group, with_entropy=True)
+    ((got_logp * weights[0]).sum() + (got_entropy * weights[1]).sum()).backward()
+    return max(float((got_logp - logp).abs().max()), float((got_entropy - entropy).abs().max()),
+               float((shard.grad - whole.grad[..., rank * width:(rank + 1) * width]).abs().max()))
+
+
+def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict | None:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
+
+    groups = role_rank_groups(parallel, ROLE_RANKS)
+    mine = new_role_groups(groups, rank)  # collective: the controller rank takes part too
+    if rank not in ROLE_RANKS:
+        return None
+    from megatron.core.parallel_state import RankGenerator
+
+    from hpcrl.engines.hf_model import build_model
+    from hpcrl.engines.megatron.engine import MegatronTrainer
+    from hpcrl.engines.megatron.offload import release, restore
+    from hpcrl.engines.torch_trainer import TorchTrainer
+
+    sizes = {k: parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep")}
+    dp = len(ROLE_RANKS) // (sizes["tp"] * sizes["pp"])
+    generator = RankGenerator(tp=sizes["tp"], ep=1, dp=dp, pp=sizes["pp"], cp=1, order="tp-cp-ep-dp-pp",
+                              rank_offset=ROLE_RANKS[0])
+    found: dict = {"groups": groups, "groups_match_megatron": all(
+        groups[kind] == generator.get_ranks(token) for kind, token in
+        (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("mp", "tp-pp"), ("dp_cp", "dp-cp")))}
+
+    job = _job(arch, tied)
+    tokenizer = CharTokenizer()
+    hf = build_model(job.model, tokenizer, job.seed)
+    reference = TorchTrainer(copy.deepcopy(hf), job, tokenizer.pad_token_id, None)
+    samples = _samples(tokenizer, reference, torch.Generator().manual_seed(7))
+    engine = MegatronTrainer(hf, job, tokenizer.pad_token_id, mine)
+    dp_rank = engine.pgc.dp.rank()
+
+    found["logprob_max_diff"] = _max_diff(engine.logprobs(samples.prompt_ids, samples.response_ids),
+                                          samples.columns["old_logprobs"])
+    if name == "tp2":
+        found["vocab_parallel_max_diff"] = _vocab_parallel_check(engine.pgc.tp)
+    if name == "dp2":  # each rank holds the whole model: compare raw logits too
+        ids = torch.tensor([samples.prompt_ids[0] + samples.response_ids[0]])
+        positions = torch.arange(ids.shape[1])[None]
+        from hpcrl.engines.megatron.packing import causal_mask
+
+        with torch.no_grad():
+            logits = engine.model(ids, positions, causal_mask(ids.shape[1], "cpu"))
+            found["logits_max_diff"] = float((logits - hf(input_ids=ids).logits).abs().max())
+
+    gathered = dict(engine.named_weights())
+    expected = dict(reference.named_weights())
+    if rank == ROLE_RANKS[0]:
+        mismatch = sorted(set(gathered) ^ set(expected)) or [
+            n for n in expected if not torch.equal(gathered[n], expected[n])]
+        found.update(named_weights_bitwise=not mismatch, named_weights_mismatch=mismatch)
+
+    before = {n: t.clone() for n, t in expected.items()}
+    found["metrics"] = engine.train_step(_shard(samples, dp_rank, dp))
+    found["reference_metrics"] = reference.train_step(samples)
+    trained = dict(engine.named_weights())
+    if rank == ROLE_RANKS[0]:
+        after = dict(reference.named_weights())
+        found["trained_weights_max_diff"] = max(float((trained[n] - after[n]).abs().max()) for n in after)
+        found["weights_changed"] = max(float((after[n] - before[n]).abs().max()) for n in after)
+
+    if name == "dp2":
+        tensors = engine._device_tensors()
+        snapshot = [t.clone() for t in tensors]
+        saved = release(tensors)
+        found["offload_freed"] = all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        restore(saved)
+        found["reload_bitwise"] = all(torch.equal(a, b) for a, b in zip(tensors, snapshot))
+    dist.barrier(group=engine.pgc.intra_dist_opt)
+    return found
+
+
+def main(out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcrl.runtime.mpi_world import init_torch_distributed
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.set_num_threads(1)
+    init_torch_distributed("gloo")
+    try:
+        findings = {name: _layout(name, *spec, rank=rank) for name, spec in LAYOUTS.items()}
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        comm.Abort(1)  # the other ranks would wait in a collective forever
+        raise
+    if rank == ROLE_RANKS[0]:
+        out.write_text(json.dumps(findings))
+    dist.barrier()  # rank 0 hosts the rendezvous store: it must outlive the others' group creation
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,188 @@
+"""HF <-> Megatron layouts and the weight-sync gather, in one process and over 4 real MPI ranks.
+
+The in-process tests convert tiny HF Qwen2/LLaMA models and shard them by hand; the MPI program
+(this file run under mpiexec by the fixture) gathers TP x PP shards over gloo with small buckets
+— TP 2 -> 1, PP 2 -> 1 and both at once, with two DP replicas gathering side by side — and
+checks every HF tensor bit for bit. (test_megatron_parallel.py does the same from a real
+megatron-core GPTModel.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.engines.resharding import (
+    GPTShape,
+    hf_to_mcore,
+    layer_offset,
+    mcore_to_hf,
+    merge_tp,
+    plan_buckets,
+    renumber,
+    split_tp,
+    stage_state,
+)
+
+SHAPE = GPTShape(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, tied=False)
+SIZES = dict(hidden=32, ffn=48, vocab=24)
+
+
+def hf_state(shape: GPTShape, hidden: int, ffn: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A Qwen2-style HF state dict of random tensors (names and shapes as transformers makes them)."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not shape.tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                       p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.q_proj.bias": (q,),
+                       p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
+                       p + "self_attn.o_proj.weight": (hidden, q), p + "mlp.gate_proj.weight": (ffn, hidden),
+                       p + "mlp.up_proj.weight": (ffn, hidden), p + "mlp.down_proj.weight": (hidden, ffn)})
+    return {name: torch.randn(s, generator=g) for name, s in shapes.items()}
+
+
+def round_trip(hf: dict, shape: GPTShape) -> dict:
+    return dict(pair for name, tensor in hf_to_mcore(hf, shape).items() for pair in mcore_to_hf(name, tensor, shape))
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen2", False), ("llama", True)])
+def test_a_real_hf_model_converts_to_megatron_and_back_bit_for_bit(arch, tied):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                        intermediate_size=48, vocab_size=24, tie_word_embeddings=tied)
+    hf = {n: p.detach() for n, p in model_cls(config).named_parameters()}
+    back = round_trip(hf, GPTShape.from_hf(config))
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_the_helper_state_has_the_names_and_shapes_of_a_real_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                         intermediate_size=48, vocab_size=24, tie_word_embeddings=False)
+    real = {n: tuple(p.shape) for n, p in Qwen2ForCausalLM(config).named_parameters()}
+    assert {n: tuple(t.shape) for n, t in hf_state(SHAPE, **SIZES).items()} == real
+
+
+def test_fused_qkv_holds_each_query_group_then_its_key_and_value_head():
+    shape = GPTShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=1, tied=True)
+    hf = {"model.layers.0.self_attn.q_proj.bias": torch.tensor([1.0, 2, 3, 4]),
+          "model.layers.0.self_attn.k_proj.bias": torch.tensor([10.0, 20]),
+          "model.layers.0.self_attn.v_proj.bias": torch.tensor([100.0, 200])}
+    fused = hf_to_mcore(hf, shape)["decoder.layers.0.self_attention.linear_qkv.bias"]
+    assert fused.tolist() == [1, 2, 10, 100, 3, 4, 20, 200]
+
+
+def test_tp_shards_split_the_parallel_dimension_and_fc1_keeps_gate_and_up_per_shard():
+    full = hf_to_mcore(hf_state(SHAPE, **SIZES), SHAPE)
+    for name, tensor in full.items():
+        shards = split_tp(name, tensor, 2)
+        assert torch.equal(merge_tp(name, shards), tensor), name
+    fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate, up = fc1.chunk(2)
+    assert torch.equal(split_tp("decoder.layers.0.mlp.linear_fc1.weight", fc1, 2)[1],
+                       torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+    assert split_tp("decoder.layers.0.self_attention.linear_proj.weight",
+                    full["decoder.layers.0.self_attention.linear_proj.weight"], 2)[0].shape == (32, 16)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pp_stages_hold_their_layers_renumbered_from_zero(tied):
+    shape = GPTShape(**{**SHAPE.__dict__, "tied": tied})
+    full = hf_to_mcore(hf_state(shape, **SIZES), shape)
+    stages = [stage_state(full, shape, 1, 0, 2, s) for s in range(2)]
+    assert "embedding.word_embeddings.weight" in stages[0] and "decoder.final_layernorm.weight" in stages[1]
+    assert ("output_layer.weight" in stages[1]) and "output_layer.weight" not in stages[0]
+    rebuilt = {renumber(n, layer_offset(4, 2, s)): t for s in range(2) for n, t in stages[s].items()}
+    if tied:  # the last stage's copy of the embedding is no HF weight
+        assert torch.equal(rebuilt.pop("output_layer.weight"), full["embedding.word_embeddings.weight"])
+    assert rebuilt.keys() == full.keys() and all(torch.equal(rebuilt[n], full[n]) for n in full)
+    with pytest.raises(ValueError, match="does not split evenly"):
+        layer_offset(4, 3, 1)
+
+
+def test_buckets_are_bounded_runs_of_one_dtype():
+    meta = [("a", (4,), torch.float32), ("b", (4,), torch.float32), ("c", (10,), torch.float32),
+            ("d", (2,), torch.bfloat16)]
+    assert [[n for n, _, _ in b] for b in plan_buckets(meta, bucket_bytes=32)] == [["a", "b"], ["c"], ["d"]]
+
+
+# ---- 4 MPI ranks --------------------------------------------------------------------------------------------------
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # name -> (tp, pp); dp = 4 / (tp * pp)
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> dict:
+    from hpcrl.launch.local import mpiexec_path
+
+    out = tmp_path_factory.mktemp("resharding") / "gathered.json"
+    result = subprocess.run([mpiexec_path(), "-n", "4", sys.executable, __file__, str(out)], capture_output=True,
+                            text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_replica_leader_gathers_every_hf_tensor_bit_for_bit(gathered, layout):
+    leaders = gathered[layout]
+    tp, pp = LAYOUTS[layout]
+    assert len(leaders) == 4 // (tp * pp), "one leader per DP replica"
+    for found in leaders.values():
+        assert found["missing"] == [] and found["extra"] == [] and found["different"] == []
+        assert found["count"] == len(hf_state(SHAPE, **SIZES))
+
+
+def _run(out: Path) -> None:
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcrl.engines.resharding import gather_hf
+    from hpcrl.placement.rank_groups import megatron_groups
+    from hpcrl.runtime.mpi_world import init_torch_distributed
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    init_torch_distributed("gloo")
+    expected = hf_state(SHAPE, **SIZES)
+    full = hf_to_mcore(expected, SHAPE)
+    results = {}
+    for name, (tp, pp) in LAYOUTS.items():
+        groups = megatron_groups(tp=tp, pp=pp, cp=1, ep=1, dp=world // (tp * pp))
+        mine = {}
+        for kind in ("tp", "pp"):
+            for ranks in groups[kind]:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[kind] = group
+        tp_rank, pp_rank = dist.get_rank(mine["tp"]), dist.get_rank(mine["pp"])
+        local = list(stage_state(full, SHAPE, tp, tp_rank, pp, pp_rank).items())
+        got = dict(gather_hf(local, SHAPE, mine["tp"], mine["pp"], bucket_bytes=4096))
+        found = None
+        if got:
+            found = {"count": len(got), "missing": sorted(expected.keys() - got.keys()),
+                     "extra": sorted(got.keys() - expected.keys()),
+                     "different": [n for n in expected.keys() & got.keys() if not torch.equal(got[n], expected[n])]}
+        everyone = comm.gather(found, root=0)
+        results[name] = {str(r): f for r, f in enumerate(everyone or []) if f is not None}
+    if rank == 0:
+        out.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _run(Path(sys.argv[1]))

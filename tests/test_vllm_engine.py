@@ -1,0 +1,62 @@
+"""The vllm engine: the translation to vLLM's parameters and outputs (pure, no vLLM needed here), and
+generation against the native sampler where a GPU and vLLM exist."""
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hpcrl.engines.native_sampler import SamplingParams
+from hpcrl.engines.vllm_engine import llm_kwargs, request_seeds, sampled_tokens, vllm_sampling_kwargs
+
+
+def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
+    kwargs = vllm_sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5), seed=11,
+                                  eos_id=2)
+    assert kwargs == dict(n=1, max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=11, logprobs=0,
+                          detokenize=False, stop_token_ids=[2], ignore_eos=False)
+    assert vllm_sampling_kwargs(SamplingParams(4), seed=0, eos_id=2)["top_k"] == -1, "0 means no cut: vLLM's -1"
+
+
+def test_request_seeds_are_a_function_of_the_generator_and_differ_per_prompt():
+    first = request_seeds(torch.Generator().manual_seed(5), 16)
+    assert first == request_seeds(torch.Generator().manual_seed(5), 16)
+    assert first != request_seeds(torch.Generator().manual_seed(6), 16)
+    assert len(set(first)) == 16 and all(0 <= s < 2**31 - 1 for s in first)
+
+
+def test_the_llm_reads_token_ids_returns_processed_logprobs_and_can_sleep():
+    kwargs = llm_kwargs("/tmp/m", 2, torch.bfloat16, 3, 0.4, 128, enforce_eager=True)
+    assert kwargs["dtype"] == "bfloat16" and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 128
+    assert kwargs["skip_tokenizer_init"] and kwargs["enable_sleep_mode"] and kwargs["load_format"] == "dummy"
+    assert kwargs["logprobs_mode"] == "processed_logprobs", "the trainer recomputes log softmax(logits / T)"
+
+
+def test_the_sampled_tokens_logprobs_are_read_from_each_step():
+    # A stand-in for vLLM's CompletionOutput (vLLM cannot be installed without a GPU): with logprobs=0
+    # each step maps the sampled token id to an object with `.logprob`.
+    step = lambda token, value: {token: SimpleNamespace(logprob=value)}  # noqa: E731
+    completion = SimpleNamespace(token_ids=[5, 2], logprobs=[step(5, -0.25), step(2, -1.5)])
+    assert sampled_tokens(completion) == ([5, 2], [-0.25, -1.5])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install hpcrl[vllm])")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_vllm_samples_with_the_logprobs_the_native_sampler_computes():
+    from hpcrl.config.job import ModelConfig
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.batch import pack, response_logprobs
+    from hpcrl.engines.hf_model import build_model
+    from hpcrl.engines.vllm_engine import VLLMEngine
+
+    tokenizer = CharTokenizer()
+    model = build_model(ModelConfig(), tokenizer, seed=1)
+    engine = VLLMEngine(model, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2, enforce_eager=True)
+    prompts = [tokenizer.encode(t) for t in ("3+4=", "12+3=", "7=")] * 4
+    responses, logprobs = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0))
+    full, _ = response_logprobs(model, pack(prompts, responses, tokenizer.pad_token_id), temperature=0.8)
+    for i, (response, row) in enumerate(zip(responses, logprobs)):
+        assert 1 <= len(response) <= 6 and tokenizer.eos_token_id not in response[:-1]
+        assert torch.allclose(full[i, : len(row)], torch.tensor(row), atol=1e-3)
