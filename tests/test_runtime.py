@@ -65,3 +65,14 @@ def test_a_rank_that_dies_without_a_word_still_ends_the_world(tmp_path):
                    env={"HPCRL_INJECT_FAULT": "3:generate:2:exit"}, timeout=120)
     assert result.returncode != 0
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 1
+
+
+def test_the_megatron_engine_trains_inside_the_runtime(tmp_path):
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=2",
+                   "--set", "roles.actor_train.engine=megatron", "--set", "checkpoint.every=0", *FAST, timeout=300)
+    assert result.returncode == 0, result.stderr
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    # the rollout rank samples with the weights gathered from the Megatron shards (HF names)
+    assert all(m["rollout_logprob_gap_max"] < 1e-4 for m in metrics)

@@ -116,7 +116,7 @@ class RolloutConfig(Schema):
 
 
 class CheckpointConfig(Schema):
-    every: NonNegativeInt = Field(0, description="save every N steps (0: only on signal and at the end)")
+    every: NonNegativeInt = Field(0, description="save every N steps and at the end (0: only on a signal)")
     keep: PositiveInt = 2
 
 

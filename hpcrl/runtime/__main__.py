@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             device = f"cuda:{layout.local_device[rank]}" if profile.device == "cuda" else "cpu"
             for name in layout.roles_on(rank):
                 ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], groups.sync,
-                                  groups.sync_src, peers, device)
+                                  groups.sync_src, peers, device, groups.megatron.get(name))
                 peers[name] = ROLE_CLASSES[name](ctx)
             serve(peers)
             code = 0

@@ -31,8 +31,9 @@ class Checkpointer:
         self.last_saved_step = -1
 
     def due(self, step: int) -> bool:
+        """Every `checkpoint.every` steps and after the last one; never with `every: 0` (signals only)."""
         every = self.job.checkpoint.every
-        return (every > 0 and step % every == 0) or step == self.job.train.steps
+        return every > 0 and (step % every == 0 or step == self.job.train.steps)
 
     def save(self, step: int, controller: dict[str, Any], metrics: list[dict[str, Any]],
              buffer: dict[str, list]) -> Checkpoint:

@@ -16,6 +16,7 @@ from hpcrl.runtime.layout import WorldLayout
 class ProcessGroups:
     dp: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)  # role -> this rank's DP group
     dp_index: dict[str, int] = field(default_factory=dict)                 # role -> this rank's DP index
+    megatron: dict[str, dict] = field(default_factory=dict)                # role -> its Megatron groups here
     sync: dist.ProcessGroup | None = None
     sync_src: int = -1
 
@@ -32,6 +33,13 @@ def build_process_groups(layout: WorldLayout, rank: int) -> ProcessGroups:
             if rank in ranks:
                 groups.dp[name] = group
                 groups.dp_index[name] = ranks.index(rank)
+    for name, role in layout.roles.items():
+        if role.engine == "megatron":  # tp/pp/cp/ep/dp/... groups, as megatron-core wants them
+            from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
+
+            mine = new_role_groups(role_rank_groups(role.parallel, role.ranks), rank)
+            if mine is not None:
+                groups.megatron[name] = mine
     receivers = layout.sync_receivers()
     groups.sync_src = layout.roles["actor_train"].source
     members = [groups.sync_src] + receivers

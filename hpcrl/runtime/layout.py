@@ -14,6 +14,8 @@ class RoleLayout:
     name: str
     ranks: list[int]
     dp_groups: list[list[int]]
+    engine: str
+    parallel: dict[str, int]
 
     @property
     def source(self) -> int:
@@ -37,7 +39,8 @@ class WorldLayout:
 
 
 def world_layout(plan: Plan) -> WorldLayout:
-    roles = {name: RoleLayout(name, list(role.ranks), [list(g) for g in role.rank_groups["dp"]])
+    roles = {name: RoleLayout(name, list(role.ranks), [list(g) for g in role.rank_groups["dp"]], role.engine,
+                              dict(role.parallel))
              for name, role in plan.roles.items()}
     local_device = {rank: plan.slot_of_rank(rank) % plan.devices_per_node for rank in range(1, plan.world_size)}
     return WorldLayout(plan.world_size, roles, local_device)

@@ -11,6 +11,8 @@ from hpcrl.checkpoint import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import build_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
+from hpcrl.engines.base import TrainingEngine
+from hpcrl.engines.registry import training_engine
 from hpcrl.engines.torch_trainer import Samples, TorchTrainer
 from hpcrl.rewards import score_responses
 from hpcrl.runtime.weight_sync import broadcast_named, weights_digest
@@ -30,6 +32,16 @@ class RoleContext:
     sync_src: int
     peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
     device: str = "cpu"       # "cuda:<local device>" on GPU nodes
+    megatron_groups: dict | None = None  # this rank's Megatron process groups (engine: megatron)
+
+
+def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
+    """The job's engine for a training role, built on this rank from the seeded HF model."""
+    job = ctx.job
+    name = job.engine(role)
+    model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
+    groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
+    return training_engine(name)(model, job, ctx.tokenizer.pad_token_id, groups, trainable=trainable)
 
 
 def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> torch.Generator:
@@ -39,10 +51,8 @@ def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> to
 
 class ActorTrain:
     def __init__(self, ctx: RoleContext):
-        job = ctx.job
         self.ctx = ctx
-        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device), job, ctx.tokenizer.pad_token_id,
-                                    ctx.dp_group)
+        self.trainer = training_engine_for("actor_train", ctx, trainable=True)
 
     def logprobs(self, batch: Batch) -> Batch:
         return {"old_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
@@ -56,10 +66,13 @@ class ActorTrain:
     def send_weights(self) -> int:
         """Only the sync source sends; the other replicas hold the same weights and have nothing to do."""
         ctx = self.ctx
+        weights = self.trainer.named_weights()
         if ctx.sync_group is None or dist.get_rank() != ctx.sync_src:
+            for _ in weights:  # gathering sharded weights is collective over the role's TP/PP ranks
+                pass
             return 0
         moved = 0
-        for bucket in broadcast_named(self.trainer.named_weights(), ctx.sync_src, ctx.sync_group):
+        for bucket in broadcast_named(weights, ctx.sync_src, ctx.sync_group):
             moved += sum(t.numel() * t.element_size() for _, t in bucket)
         return moved
 
@@ -72,6 +85,9 @@ class ActorTrain:
 
     def save(self, checkpoint_dir: Path) -> None:
         """DCP shards of model + optimizer: loadable on a different DP size."""
+        if not isinstance(self.trainer, TorchTrainer):
+            raise NotImplementedError(f"checkpoints of the {self.ctx.job.engine('actor_train')!r} engine are not "
+                                      "implemented yet; only the torch engine saves and resumes")
         save_train_state(self.trainer.module, self.trainer.optimizer, checkpoint_dir / "actor_train", self.ctx.dp_group)
 
     def load(self, checkpoint_dir: Path) -> None:
@@ -82,9 +98,7 @@ class Reference:
     """A frozen copy of the initial policy, for the KL penalty."""
 
     def __init__(self, ctx: RoleContext):
-        job = ctx.job
-        self.trainer = TorchTrainer(build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device), job, ctx.tokenizer.pad_token_id,
-                                    ctx.dp_group, trainable=False)
+        self.trainer = training_engine_for("reference", ctx, trainable=False)
 
     def logprobs(self, batch: Batch) -> Batch:
         return {"ref_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
