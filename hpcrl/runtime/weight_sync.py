@@ -15,23 +15,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hpcrl.engines.base import NamedTensors
-
-DEFAULT_BUCKET_BYTES = 64 << 20
-Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
-
-
-def plan_buckets(meta: Meta, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Meta]:
-    """Consecutive runs of same-dtype tensors of at most `bucket_bytes` (a larger tensor is alone)."""
-    out: list[Meta] = []
-    size = 0
-    for name, shape, dtype in meta:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if not out or size + nbytes > bucket_bytes or out[-1][0][2] != dtype:
-            out.append([])
-            size = 0
-        out[-1].append((name, shape, dtype))
-        size += nbytes
-    return out
+from hpcrl.engines.resharding import DEFAULT_BUCKET_BYTES, plan_buckets
 
 
 @torch.no_grad()
