@@ -59,7 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if code == 0:
         print(f"hpcrl: done. Metrics: {run_dir / 'metrics.jsonl'}; plot them with `hpcrl report {run_dir}`")
     elif code == EXIT_REQUEUE:
-        print(f"hpcrl: stopped by a signal after saving a checkpoint; the same command resumes it", file=sys.stderr)
+        print("hpcrl: stopped by a signal after saving a checkpoint; the same command resumes it", file=sys.stderr)
     else:
         print(f"hpcrl: the run failed (exit code {code}); the cause is printed above by rank 0", file=sys.stderr)
     return code

@@ -112,7 +112,7 @@ class Controller:
     # -- consumption --------------------------------------------------------------------------
     def _train(self, step: int) -> tuple[Pending, dict[str, Any]]:
         """Logprobs and advantages for batch `step` (synchronous), then the train call (asynchronous)."""
-        job, algo = self.job, self.job.algorithm
+        algo = self.job.algorithm
         groups, stats = self.scheduler.take(step)
         batch: dict[str, list] = {
             "prompt_ids": [g.prompt_ids for g in groups for _ in range(g.size)],

@@ -76,10 +76,6 @@ class ActorTrain:
             moved += sum(t.numel() * t.element_size() for _, t in bucket)
         return moved
 
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.trainer.module
-
     def digest(self) -> str:
         return weights_digest(self.trainer.module)
 
