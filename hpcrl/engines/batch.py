@@ -32,6 +32,11 @@ def right_pad(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -
     return out
 
 
+def length_mask(lengths: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, max length] with 1 on each row's first `lengths[i]` columns: which response tokens are real."""
+    return right_pad([[1] * n for n in lengths], 0, dtype)
+
+
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -40,7 +45,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
     """Prompt + response ids with masks; `response_mask` marks the tokens that were generated."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     response_ids = right_pad(responses, pad_id, torch.long)
-    response_mask = right_pad([[1] * len(r) for r in responses], 0, torch.long)
+    response_mask = length_mask([len(r) for r in responses], torch.long)
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {

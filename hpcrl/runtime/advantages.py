@@ -11,7 +11,7 @@ from hpcrl.algos import (
     rloo_advantages,
 )
 from hpcrl.config.job import AlgorithmConfig
-from hpcrl.engines.batch import right_pad
+from hpcrl.engines.batch import length_mask, right_pad
 
 
 def token_advantages(algo: AlgorithmConfig, rewards: list[float], group_index: list[int],
@@ -21,7 +21,7 @@ def token_advantages(algo: AlgorithmConfig, rewards: list[float], group_index: l
     REINFORCE++ puts the reward on the last token, the KL penalty on every token, and whitens."""
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     groups_t = torch.tensor(group_index, dtype=torch.long)
-    mask = right_pad([[1.0] * n for n in response_lengths], 0.0, torch.float32)
+    mask = length_mask(response_lengths)
     if algo.name == "grpo":
         adv = broadcast_sequence_advantages(grpo_advantages(reward_t, groups_t, normalize_std=algo.normalize_std), mask)
     elif algo.name == "rloo":
@@ -42,5 +42,5 @@ def mean_kl(old_logprobs: list[list[float]], ref_logprobs: list[list[float]], es
     """The token-mean KL of the policy that generated the batch from the reference (for the logs)."""
     old = right_pad(old_logprobs, 0.0, torch.float32)
     ref = right_pad(ref_logprobs, 0.0, torch.float32)
-    mask = right_pad([[1.0] * len(r) for r in old_logprobs], 0.0, torch.float32)
+    mask = length_mask([len(r) for r in old_logprobs])
     return float((kl_penalty(old, ref, estimator) * mask).sum() / mask.sum().clamp(min=1))

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcrl.checkpoint import Checkpoint, CheckpointStore, config_hash, load_run_state, save_rng, save_run_state
+from hpcrl.checkpoint import (Checkpoint, CheckpointStore, config_hash, load_rng, load_run_state, save_rng,
+                              save_run_state)
 from hpcrl.checkpoint.h5 import RunState
 from hpcrl.config.job import JobConfig
 from hpcrl.runtime.dispatch import Dispatch, WorkerGroup, run
@@ -28,7 +29,6 @@ class Checkpointer:
         self.store = CheckpointStore(run_dir, keep=job.checkpoint.keep)
         self.config = job.model_dump(mode="json")
         self.config_hash = config_hash(self.config)
-        self.last_saved_step = -1
 
     def due(self, step: int) -> bool:
         """Every `checkpoint.every` steps and after the last one; never with `every: 0` (signals only)."""
@@ -43,7 +43,6 @@ class Checkpointer:
         save_run_state(scratch / STATE_FILE, buffer=buffer, metrics=metrics, controller=controller)
         layout = {name: {"ranks": role.ranks, "dp_groups": role.dp_groups} for name, role in self.layout.roles.items()}
         checkpoint = self.store.commit(step, scratch, self.config_hash, layout, extra={"config": self.config})
-        self.last_saved_step = step
         return checkpoint
 
     def restore(self) -> RunState | None:
@@ -54,10 +53,7 @@ class Checkpointer:
         if checkpoint is None:
             return None
         run(self.everyone, "load_checkpoint", Dispatch.ONE_TO_ALL, str(checkpoint.path))
-        from hpcrl.checkpoint import load_rng
-
         load_rng(checkpoint.path, 0)
         state = load_run_state(checkpoint.path / STATE_FILE)
         print(f"hpcrl: resuming from {checkpoint.path} (step {checkpoint.step})", file=sys.stderr, flush=True)
-        self.last_saved_step = checkpoint.step
         return state

@@ -20,7 +20,7 @@ from hpcrl.algos import truncated_importance_weights
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
-from hpcrl.engines.batch import right_pad
+from hpcrl.engines.batch import length_mask, right_pad
 from hpcrl.metrics import StepRecorder
 from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
@@ -159,7 +159,7 @@ class Controller:
         """Truncated importance weights (TIS) correcting stale samples towards the current policy."""
         old = right_pad(batch["old_logprobs"], 0.0, torch.float32)
         behaviour = right_pad(batch["behaviour_logprobs"], 0.0, torch.float32)
-        mask = right_pad([[1.0] * n for n in lengths], 0.0, torch.float32)
+        mask = length_mask(lengths)
         weights = truncated_importance_weights(old, behaviour, mask, self.job.rollout.is_cap)
         return [row[:n] for row, n in zip(weights.tolist(), lengths)]
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hpcrl.engines.batch import right_pad
+from hpcrl.engines.batch import length_mask, right_pad
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
@@ -30,7 +30,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], p
         # logits at position t predict token t + 1: response token j is predicted at len(prompt) - 1 + j
         index[i] = (len(prompt) - 1 + torch.arange(resp_width)).clamp(max=width - 1)
     packed = {"tokens": tokens[:, :width], "targets": tokens[:, 1:], "index": index,
-              "response_mask": _fit(right_pad([[1.0] * len(r) for r in responses], 0.0, torch.float32), resp_width)}
+              "response_mask": _fit(length_mask([len(r) for r in responses]), resp_width)}
     for name, values in (columns or {}).items():
         packed[name] = _fit(right_pad(values, 0.0, torch.float32), resp_width)
     return packed
