@@ -40,25 +40,41 @@ def test_lifecycle_allows_only_forward_moves():
         Group(1, 1, [1], "7", 2).move(SampleState.REWARDED)
 
 
-def test_production_runs_at_most_k_batches_ahead_of_the_weights():
+def test_production_waits_for_weights_within_the_bound():
     s = scheduler("rollout.max_staleness=0")
-    batch, attempt, groups = s.next_round(rollout_version=0, next_batch=1)
+    batch, attempt, groups = s.next_round(rollout_version=0)
     assert (batch, attempt, len(groups)) == (1, 0, 2) and all(g.state is SampleState.GENERATING for g in groups)
-    assert s.next_round(rollout_version=0, next_batch=1) is None, "batch 2 needs the weights of step 1"
+    assert s.next_round(rollout_version=0) is None, "batch 1 has all its groups on their way"
+    finish(s, groups, [1.0, 0.0, 0.5, 0.0])
+    s.take(1)
+    assert s.next_round(rollout_version=0) is None, "with K=0 batch 2 needs the weights of step 1"
+    assert s.next_round(rollout_version=1)[0] == 2
+
+
+def test_production_balances_consumption_and_never_redoes_a_taken_batch():
     s = scheduler("rollout.max_staleness=2")
-    batches = [s.next_round(0, 1)[0] for _ in range(3)]
-    assert batches == [1, 2, 3] and s.next_round(0, 1) is None
+    _, _, first = s.next_round(0)
+    finish(s, first, [1.0, 0.0, 0.5, 0.0])
+    assert s.next_round(0) is None, "batch 1 is ready and untaken: rollout waits for training"
+    s.take(1)                                   # training on batch 1 (policy 0 -> 1) starts
+    batch, _, second = s.next_round(0)
+    assert batch == 2, "batch 2 is generated with version 0 while step 1 trains"
+    finish(s, second, [1.0, 0.0, 0.5, 0.0])
+    assert s.next_round(0) is None
+    assert s.take(2)[1]["staleness_max"] == 1
+    with pytest.raises(RuntimeError, match="out of turn"):
+        s.take(2)
 
 
 def test_take_checks_every_sample_against_the_bound():
     s = scheduler("rollout.max_staleness=1")
-    _, _, first = s.next_round(0, 1)
-    _, _, second = s.next_round(0, 1)
+    _, _, first = s.next_round(0)
     finish(s, first, [1.0, 0.0, 0.5, 0.0])
-    finish(s, second, [1.0, 0.0, 0.5, 0.0])
     taken, stats = s.take(1)
     assert [g.state for g in taken] == [SampleState.CONSUMED] * 2 and stats["staleness_max"] == 0
-    assert stats["queue_depth"] == 4, "batch 2 is waiting"
+    _, _, second = s.next_round(0)
+    finish(s, second, [1.0, 0.0, 0.5, 0.0])
+    assert stats["queue_depth"] == 0 and s.buffer()["batch"] == [2] * 4, "batch 2 is waiting"
     second[0].version = -1  # pretend it was generated two versions before step 2's policy
     with pytest.raises(StalenessError, match="2 versions behind"):
         s.take(2)
@@ -66,10 +82,10 @@ def test_take_checks_every_sample_against_the_bound():
 
 def test_dynamic_sampling_never_trains_on_a_zero_variance_group():
     s = scheduler("algorithm.dynamic_sampling=true")
-    _, _, groups = s.next_round(0, 1)
+    _, _, groups = s.next_round(0)
     finish(s, groups, [1.0, 1.0, 0.0, 1.0])     # the first group has equal rewards
     assert groups[0].state is SampleState.FILTERED and not s.ready(1)
-    _, attempt, refill = s.next_round(0, 1)
+    _, attempt, refill = s.next_round(0)
     assert attempt == 1 and len(refill) == 2, "a refill round is a full round from the queue"
     finish(s, refill, [0.0, 0.5, 1.0, 0.0])
     assert refill[1].state is SampleState.ABORTED, "the batch was full without it"
@@ -81,18 +97,18 @@ def test_dynamic_sampling_never_trains_on_a_zero_variance_group():
 def test_dynamic_sampling_gives_up_with_a_clear_error():
     s = scheduler("algorithm.dynamic_sampling=true", "rollout.max_refills=1")
     for _ in range(2):
-        _, _, groups = s.next_round(0, 1)
+        _, _, groups = s.next_round(0)
         finish(s, groups, [1.0] * (2 * len(groups)))
     with pytest.raises(RuntimeError, match="rollout.max_refills"):
-        s.next_round(0, 1)
+        s.next_round(0)
 
 
 def test_the_buffer_round_trips_through_a_checkpoint():
     s = scheduler("rollout.max_staleness=1")
-    _, _, groups = s.next_round(0, 1)
+    _, _, groups = s.next_round(0)
     finish(s, groups, [1.0, 0.0, 0.5, 0.0])
     restored = scheduler("rollout.max_staleness=1")
-    restored.restore(s.buffer(), s.next_group_id, dict(s.attempts))
+    restored.restore(0, s.buffer(), s.next_group_id, dict(s.attempts))
     assert restored.ready(1)
     assert [(g.rewards, g.response_ids, g.answer) for g in restored.take(1)[0]] == \
         [(g.rewards, g.response_ids, g.answer) for g in groups]
@@ -147,7 +163,7 @@ def reference_synchronous_run(config, steps: int) -> list[float]:
                                                         "advantages": advantages}))
         rollout.load_weights(list(actor.named_weights()))
         rewards_per_step.append(fmean(rewards))
-    return rewards_per_step, weights_digest(actor.module)
+    return rewards_per_step, weights_digest(actor.named_weights())
 
 
 def test_k0_reproduces_the_synchronous_pipeline_exactly(tmp_path):

@@ -3,8 +3,11 @@
 Production and consumption are decoupled: batch b (the data of train step b, which trains policy
 version b-1) may be generated with any policy version v >= b-1-K, K = `rollout.max_staleness`.
 So with K=0 a batch waits for the weights of the previous step (the synchronous pipeline), and with
-K>0 rollout runs up to K steps ahead while the trainer trains. Production is throttled by the same
-rule, which balances it with consumption and bounds every consumed sample's staleness by K.
+K>0 rollout generates while the trainer trains. Production is throttled to balance consumption:
+rollout works only on the batch training will take next, so at most one finished batch waits. One
+generation round runs at a time, so a deeper queue would not raise throughput (the slower side is
+busy all the time either way); it would only make every sample older. With rollout and training
+overlapping, samples are then one version old, and K bounds what a slow sync or refill may add.
 Dynamic sampling drops groups whose rewards are all equal and refills the batch from the queue.
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ class RolloutScheduler:
         self.groups: dict[int, Group] = {}
         self.attempts: Counter[int] = Counter()      # batch -> production rounds so far
         self.next_group_id = 0
+        self.next_batch = 1                          # the batch training takes next
         self.counts: Counter[str] = Counter()        # lifecycle totals, for the metrics
 
     # -- production ---------------------------------------------------------------------------
@@ -47,20 +51,20 @@ class RolloutScheduler:
         live = (SampleState.QUEUED, SampleState.GENERATING, SampleState.REWARDED)
         return self.groups_per_batch - sum(1 for g in self.groups.values() if g.batch == batch and g.state in live)
 
-    def next_round(self, rollout_version: int, next_batch: int) -> tuple[int, int, list[Group]] | None:
-        """The next generation round, (batch, attempt, groups), for the oldest batch from `next_batch`
-        (the next one training will take) that needs groups and may be produced; None if none may."""
-        for batch in range(next_batch, next_batch + self.max_staleness + 1):
-            if not self.may_produce(batch, rollout_version):
-                break
-            missing = self.missing(batch)
-            if missing > 0:
-                # A refill round is a full round (as in DAPO): when few groups survive the filter,
-                # asking for just the missing ones would take many small rounds; extras are aborted.
-                count = missing if self.attempts[batch] == 0 else self.groups_per_batch
-                attempt, groups = self._start_round(batch, count, rollout_version)
-                return batch, attempt, groups
-        return None
+    def next_round(self, rollout_version: int) -> tuple[int, int, list[Group]] | None:
+        """The next generation round, (batch, attempt, groups), for the batch training takes next, if
+        it still needs groups and weights of `rollout_version` may produce it; None otherwise."""
+        batch = self.next_batch
+        if not self.may_produce(batch, rollout_version):
+            return None
+        missing = self.missing(batch)
+        if missing <= 0:
+            return None
+        # A refill round is a full round (as in DAPO): when few groups survive the filter,
+        # asking for just the missing ones would take many small rounds; extras are aborted.
+        count = missing if self.attempts[batch] == 0 else self.groups_per_batch
+        attempt, groups = self._start_round(batch, count, rollout_version)
+        return batch, attempt, groups
 
     def _start_round(self, batch: int, count: int, version: int) -> tuple[int, list[Group]]:
         attempt = self.attempts[batch]
@@ -117,6 +121,9 @@ class RolloutScheduler:
 
     def take(self, batch: int) -> tuple[list[Group], dict[str, float]]:
         """Hand batch `batch` to training; checks every sample's staleness against the bound."""
+        if batch != self.next_batch or not self.ready(batch):
+            raise RuntimeError(f"batch {batch} taken out of turn (next is {self.next_batch}) or before it is ready")
+        self.next_batch += 1
         groups = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
         trained_version = batch - 1
         staleness = Counter()
@@ -150,7 +157,9 @@ class RolloutScheduler:
             "rewards": [g.rewards[i] for g, i in rows],
         }
 
-    def restore(self, buffer: dict[str, list], next_group_id: int, attempts: dict[int, int]) -> None:
+    def restore(self, step: int, buffer: dict[str, list], next_group_id: int, attempts: dict[int, int]) -> None:
+        """State saved after train step `step`: the buffer and the counters."""
+        self.next_batch = step + 1
         self.next_group_id = next_group_id
         self.attempts = Counter(attempts)
         for row in range(len(buffer.get("group_id", []))):

@@ -81,7 +81,7 @@ class Controller:
 
     # -- production ---------------------------------------------------------------------------
     def _start_round(self) -> None:
-        found = self.scheduler.next_round(self.rollout_version, self.step + 1)
+        found = self.scheduler.next_round(self.rollout_version)
         if found is None:
             return
         batch, attempt, groups = found
@@ -174,7 +174,7 @@ class Controller:
         """Digests of every trainer replica and rollout rank; a mismatch stops the run."""
         train, infer = wait(self.groups["actor_train"].call("digest", Dispatch.ONE_TO_ALL),
                             self.groups["actor_infer"].call("digest", Dispatch.ONE_TO_ALL))
-        if len(set(train) | set(infer)) != 1:
+        if len(set(train) | set(infer) - {None}) != 1:
             raise RuntimeError(f"weights diverged after the sync: actor_train {train}, actor_infer {infer}")
         return {"digest_actor_train": train, "digest_actor_infer": infer}
 
@@ -189,11 +189,11 @@ class Controller:
             step_started = time.perf_counter()
             training: tuple[Pending, dict[str, Any], float] | None = None
             while self.step < job.train.steps:
-                if self.round is None:
-                    self._start_round()
                 if training is None and self.scheduler.ready(self.step + 1):
                     call, metrics = self._train(self.step + 1)
                     training = (call, metrics, time.perf_counter())
+                if self.round is None:   # after a take, so rollout can start on the next batch
+                    self._start_round()
                 waiting = [p for p in (self.round and self.round[0], training and training[0], self.sync) if p]
                 done = wait_any(waiting)
                 if self.round is not None and done is self.round[0]:
@@ -258,7 +258,7 @@ class Controller:
         controller = state.controller
         self.step = int(controller["step"])
         self.sampler.state = SamplerState(**controller["sampler"])
-        self.scheduler.restore(state.buffer or {}, int(controller["next_group_id"]),
+        self.scheduler.restore(self.step, state.buffer or {}, int(controller["next_group_id"]),
                                {int(b): int(n) for b, n in controller["attempts"]})
         self.history = [dict(m) for m in state.metrics]
 
