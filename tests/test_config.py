@@ -77,6 +77,18 @@ def test_engine_must_fit_the_role(tmp_path):
     assert "roles.actor_infer.engine: 'megatron' is not one of native, vllm" in message
 
 
+def test_zero_stage_belongs_to_the_data_parallel_deepspeed_engine(tmp_path):
+    path = write(tmp_path, GOOD)
+    message = error_of(path, ["roles.actor_train.zero_stage=3"])
+    assert "roles.actor_train.zero_stage: only the deepspeed engine shards with ZeRO" in message
+    message = error_of(path, ["roles.actor_train.engine=deepspeed", "roles.actor_train.parallel.tp=2"])
+    assert "roles.actor_train.parallel: the deepspeed engine is data parallel only" in message
+    assert "roles.actor_train.zero_stage" in error_of(path, ["roles.actor_train.engine=deepspeed",
+                                                             "roles.actor_train.zero_stage=4"])
+    job = load_job(path, ["roles.actor_train.engine=deepspeed"])
+    assert (job.zero_stage("actor_train"), job.zero_stage("actor_infer")) == (2, 0)
+
+
 def test_overrides_are_typed_and_validated(tmp_path):
     path = write(tmp_path, GOOD)
     assert load_job(path, ["train.steps=7", "rollout.temperature=0.5"]).train.steps == 7

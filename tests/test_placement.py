@@ -5,6 +5,7 @@ import ast
 import copy
 import importlib.metadata
 import json
+import math
 import subprocess
 import sys
 from itertools import product
@@ -339,6 +340,22 @@ def test_rejects_memory_over_the_device():
     assert "KV cache" in message
 
 
+def test_zero_divides_optimizer_gradients_and_weights_by_dp():
+    from hpcrl.placement.memory import ModelShape, estimate_role_memory
+
+    overrides = ["roles.actor_train.parallel.tp=1", "roles.actor_train.parallel.pp=1",
+                 "roles.actor_train.parallel.dp=8", "roles.actor_train.engine=deepspeed"]
+    totals = {}
+    for stage in (1, 2, 3):
+        job = load_job(BIG_JOB, [*overrides, f"roles.actor_train.zero_stage={stage}"])
+        totals[stage] = estimate_role_memory("actor_train", job, ModelShape.from_model(job.model),
+                                             job.roles.actor_train.parallel)
+    p = totals[1].params  # bf16: weights 2 B, gradients 2 B, fp32 master weights and Adam 12 B per parameter
+    assert totals[1].total == 2 * p + math.ceil(2 * p + 12 * p / 8)
+    assert totals[2].total == 2 * p + math.ceil(14 * p / 8)
+    assert totals[3].total == math.ceil(2 * p / 8) + math.ceil(14 * p / 8)
+
+
 def test_rejects_bad_colocation():
     rejects("roles.reference.colocate_with: a role cannot colocate with itself",
             job(actor_train={}, actor_infer={}, reference={"colocate_with": "reference"}), cluster())
@@ -360,3 +377,22 @@ def test_inputs_are_not_changed():
     before = copy.deepcopy(config.model_dump())
     compile_plan(config, load_profile())
     assert config.model_dump() == before
+
+
+def test_rejects_vllm_on_a_cpu_cluster():
+    rejects("roles.actor_infer.engine: vllm runs on GPUs only, and cluster local has device: cpu",
+            load_job(REPO_ROOT / "jobs" / "tiny_grpo.yaml", ["roles.actor_infer.engine=vllm"]),
+            load_profile(REPO_ROOT / "clusters" / "local.yaml"))
+
+
+def test_a_rollout_replica_is_its_tp_group_and_its_first_rank_leads():
+    from hpcrl.runtime.layout import world_layout
+
+    plan = compile_plan(load_job(BIG_JOB), load_profile(BIG_CLUSTER))
+    infer = world_layout(plan).roles["actor_infer"]
+    tp_groups = plan.roles["actor_infer"].rank_groups["tp"]
+    assert len(tp_groups) == 8 and all(len(g) == 2 for g in tp_groups)
+    for group in tp_groups:
+        assert all(infer.replica_of(rank) == sorted(group) for rank in group)
+    leaders = {infer.replica_of(rank)[0] for rank in infer.ranks}
+    assert len(leaders) == 8, "one vLLM engine per rollout DP replica"

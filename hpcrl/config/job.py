@@ -147,6 +147,9 @@ class RolePlacement(Schema):
 
 class RoleConfig(Schema):
     engine: str | None = None
+    zero_stage: Literal[1, 2, 3] | None = Field(None, description="engine: deepspeed only: what ZeRO shards over the "
+                                                "DP ranks: 1 optimizer state, 2 and gradients, 3 and parameters "
+                                                "(default 2)")
     parallel: Parallel = Parallel()
     stages: list[StageName] | None = None
     placement: RolePlacement | None = None
@@ -188,11 +191,25 @@ class JobConfig(Schema):
             allowed = ROLE_ENGINES[name]
             if role.engine is not None and role.engine not in allowed:
                 raise ValueError(f"roles.{name}.engine: {role.engine!r} is not one of {', '.join(allowed)}")
+            engine = self.engine(name)
+            if role.zero_stage is not None and engine != "deepspeed":
+                raise ValueError(f"roles.{name}.zero_stage: only the deepspeed engine shards with ZeRO (this role's "
+                                 f"engine is {engine!r}); set engine: deepspeed or remove zero_stage")
+            p = role.parallel
+            if engine == "deepspeed" and (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
+                raise ValueError(f"roles.{name}.parallel: the deepspeed engine is data parallel only (ZeRO shards over "
+                                 "dp); keep tp, pp, cp and ep at 1, or use engine: megatron for model parallelism")
         return self
 
     def engine(self, role: str) -> str:
         config = getattr(self.roles, role)
         return config.engine or DEFAULT_ENGINE[role]
+
+    def zero_stage(self, role: str) -> int:
+        """The ZeRO stage of a deepspeed role (0 for other engines: nothing sharded over DP)."""
+        if self.engine(role) != "deepspeed":
+            return 0
+        return getattr(self.roles, role).zero_stage or 2
 
     def stages(self, role: str) -> tuple[str, ...]:
         config = getattr(self.roles, role)

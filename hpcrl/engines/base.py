@@ -8,6 +8,7 @@ feed any rollout layout.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -29,6 +30,12 @@ class TrainingEngine(Protocol):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) tensors under HF names, for the weight sync. Collective over the
         engine's model-parallel ranks; meaningful on the sync source only."""
+
+    def save_state(self, path: Path) -> None:
+        """Write model and optimizer state under `path` (collective over the role's ranks)."""
+
+    def load_state(self, path: Path) -> None:
+        """Restore what `save_state` wrote, in place."""
 
     def offload(self) -> None:
         """Move weights and optimizer state to host memory (colocated roles time-share devices)."""

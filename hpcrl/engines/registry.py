@@ -12,12 +12,12 @@ import importlib.util
 _TRAINING = {
     "torch": ("hpcrl.engines.torch_trainer", "TorchTrainer", None),
     "megatron": ("hpcrl.engines.megatron.engine", "MegatronTrainer", ("megatron", "megatron.core")),
+    "deepspeed": ("hpcrl.engines.deepspeed_engine", "DeepSpeedTrainer", ("deepspeed", "deepspeed")),
 }
 _GENERATION = {
     "native": ("hpcrl.engines.native_sampler", "NativeSampler", None),
     "vllm": ("hpcrl.engines.vllm_engine", "VLLMEngine", ("vllm", "vllm")),
 }
-_NOT_IMPLEMENTED = {"deepspeed": "the deepspeed engine is not implemented yet: use 'torch' or 'megatron'"}
 
 
 class EngineNotAvailable(ImportError):
@@ -33,8 +33,6 @@ def _installed(module: str) -> bool:
 
 
 def _lookup(kind: str, table: dict, name: str) -> type:
-    if name in _NOT_IMPLEMENTED:
-        raise EngineNotAvailable(f"{kind} engine {name!r}: {_NOT_IMPLEMENTED[name]}")
     if name not in table:
         raise EngineNotAvailable(f"unknown {kind} engine {name!r} (known: {', '.join(sorted(table))})")
     module, cls, extra = table[name]
@@ -45,7 +43,7 @@ def _lookup(kind: str, table: dict, name: str) -> type:
 
 
 def training_engine(name: str) -> type:
-    """The TrainingEngine class for "torch" or "megatron"."""
+    """The TrainingEngine class for "torch", "megatron" or "deepspeed"."""
     return _lookup("training", _TRAINING, name)
 
 

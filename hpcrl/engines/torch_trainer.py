@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.algos import aggregate_loss, gspo_loss, kl_penalty, ppo_clip_loss
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import pack, response_logprobs, right_pad
@@ -129,13 +131,28 @@ class TorchTrainer:
                     metrics["kl_loss"] = float(kl.detach()) * scale
                 if algo.entropy_coef > 0:
                     loss = loss - algo.entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, global_tokens)
-                self.optimizer.zero_grad(set_to_none=True)
-                (loss * scale).backward()
-                if train.grad_clip is not None:
-                    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip))
-                self.optimizer.step()
+                grad_norm = self._update(loss * scale)
+                if grad_norm is not None:
+                    metrics["grad_norm"] = grad_norm
                 metrics["loss"] = float(loss.detach()) * scale
                 metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))
         return {key: _mean(values) for key, values in history.items()}
+
+    def _update(self, loss: torch.Tensor) -> float | None:
+        """One optimizer step on `loss`; returns the gradient norm when it is clipped."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = None
+        if self.job.train.grad_clip is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip))
+        self.optimizer.step()
+        return grad_norm
+
+    def save_state(self, path: Path) -> None:
+        """DCP shards of model + optimizer (collective over the DP group): loadable on another DP size."""
+        save_train_state(self.module, self.optimizer, path, self.dp_group)
+
+    def load_state(self, path: Path) -> None:
+        load_train_state(self.module, self.optimizer, path, self.dp_group)

@@ -81,13 +81,16 @@ def _load_into_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
 
 class VLLMEngine:
     def __init__(self, model: torch.nn.Module, eos_id: int, seed: int, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = False, sleep_level: int = 1):
+                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = False, sleep_level: int = 1,
+                 devices: Sequence[int] = ()):
         """Serve `model` (the HF model every rank builds): its config is written for vLLM, its
         weights copied in with `load_weights`. Alone in a one-rank world with TP = 1, vLLM runs
         in this process and weights are handed over without serialisation; otherwise its engine
-        runs in child processes (their own torch.distributed world, TP workers on the GPUs this
-        process sees) and weights travel pickled through `collective_rpc`."""
+        runs in child processes (their own torch.distributed world, TP workers on `devices`, the
+        local GPU indices of this replica's ranks) and weights travel pickled through `collective_rpc`."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
+        if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         if tensor_parallel_size == 1 and alone:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # collective_rpc ships `_load_into_worker` by reference to vLLM's worker processes

@@ -95,9 +95,16 @@ def _resolve_roles(job: JobConfig) -> dict[str, _Role]:
             for name, config in configs.items()}
 
 
+GPU_ONLY_ENGINES = ("vllm",)
+
+
 def _check_parallel(roles: dict[str, _Role], profile: ClusterProfile) -> None:
     for role in roles.values():
         p = role.parallel
+        if role.engine in GPU_ONLY_ENGINES and profile.device != "cuda":
+            raise PlacementError(f"roles.{role.name}.engine: {role.engine} runs on GPUs only, and cluster "
+                                 f"{profile.name} has device: {profile.device}; use engine: native here "
+                                 "(it runs everywhere) or a GPU cluster profile")
         if p.dp % p.ep:
             raise PlacementError(f"roles.{role.name}.parallel: ep = {p.ep} does not divide dp = {p.dp}; "
                                  "expert-parallel groups split the data-parallel ranks, so dp must be a multiple of ep")

@@ -11,7 +11,8 @@ Formulas (P = parameter count, b = bytes per element of `model.dtype`: 4 float32
   has a value head (H + 1) instead of the lm head.
 - training roles (actor_train, critic): 16 B/param over tp*pp: b weights + (16 - b) for gradients
   and Adam (bf16/fp16 mixed precision: 2 weights + 2 grads + 4 fp32 master + 4 m + 4 v; fp32:
-  4 + 4 + 4 m + 4 v). Activations are not counted.
+  4 + 4 + 4 m + 4 v). Activations are not counted. With engine deepspeed, ZeRO divides by dp the
+  optimizer state, 16 - 2b (stage >= 1), the gradients, b (stage >= 2), and the weights (stage 3).
 - reference: weights only, b*P / (tp*pp).
 - actor_infer: weights b*P / (tp*pp) plus the KV cache of one rollout batch held at once:
   2 (K and V) * ceil(layers/pp) * ceil(kv_heads/tp) * head_dim * b * seqs * seq_len, where
@@ -172,9 +173,12 @@ def estimate_role_memory(role: str, job: JobConfig, shape: ModelShape, parallel:
     params = count_parameters(shape, head="value" if role == "critic" else "lm")
     shards = parallel.tp * parallel.pp
     b = DTYPE_BYTES[job.model.dtype]
-    weights = math.ceil(params * b / shards)
+    zero = job.zero_stage(role)
+    weights = math.ceil(params * b / shards / (parallel.dp if zero >= 3 else 1))
     if role in TRAINING_ROLES:
-        return MemoryEstimate(params, weights, math.ceil(params * (TRAIN_BYTES_PER_PARAM - b) / shards))
+        grads = params * b / (parallel.dp if zero >= 2 else 1)
+        optimizer = params * (TRAIN_BYTES_PER_PARAM - 2 * b) / (parallel.dp if zero >= 1 else 1)
+        return MemoryEstimate(params, weights, math.ceil((grads + optimizer) / shards))
     if role in GENERATION_ROLES:
         return MemoryEstimate(params, weights, kv_cache=kv_cache_bytes(job, shape, parallel))
     return MemoryEstimate(params, weights)

@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             peers: dict[str, object] = {}
             device = f"cuda:{layout.local_device[rank]}" if profile.device == "cuda" else "cpu"
             for name in layout.roles_on(rank):
+                replica = layout.roles[name].replica_of(rank)
                 ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], groups.sync,
-                                  groups.sync_src, peers, device, groups.megatron.get(name))
+                                  groups.sync_src, peers, device, groups.megatron.get(name), replica[0] == rank,
+                                  tuple(layout.local_device[r] for r in replica))
                 peers[name] = ROLE_CLASSES[name](ctx)
             serve(peers)
             code = 0

@@ -21,15 +21,16 @@ class ProcessGroups:
     sync_src: int = -1
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-    return dist.new_group(ranks) if len(ranks) > 1 else None
+def _new_group(ranks: list[int], always: bool = False) -> dist.ProcessGroup | None:
+    """None for one rank (nothing to communicate), unless the engine needs a group as its world."""
+    return dist.new_group(ranks) if len(ranks) > 1 or always else None
 
 
 def build_process_groups(layout: WorldLayout, rank: int) -> ProcessGroups:
     groups = ProcessGroups()
     for name, role in layout.roles.items():
         for ranks in role.dp_groups:
-            group = _new_group(ranks)
+            group = _new_group(ranks, always=role.engine == "deepspeed")
             if rank in ranks:
                 groups.dp[name] = group
                 groups.dp_index[name] = ranks.index(rank)

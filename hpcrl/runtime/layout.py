@@ -17,6 +17,12 @@ class RoleLayout:
     engine: str
     parallel: dict[str, int]
 
+    def replica_of(self, rank: int) -> list[int]:
+        """The ranks of `rank`'s model replica (its TP x PP ranks; replica d holds the d-th member
+        of every DP group), in rank order."""
+        d = next(group.index(rank) for group in self.dp_groups if rank in group)
+        return sorted(group[d] for group in self.dp_groups)
+
     @property
     def source(self) -> int:
         """The rank that owns a full copy of the weights (first rank of the first DP replica)."""

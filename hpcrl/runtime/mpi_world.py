@@ -37,6 +37,7 @@ def abort(message: str, code: int = 1) -> None:
     """Print on this rank and end every rank of the world now."""
     print(message, file=sys.stderr, flush=True)
     COMM.Abort(code)
+    os._exit(code)  # MPI_Abort may return before the process manager kills this rank: never go on
 
 
 def report_and_wait(role: str, method: str) -> None:

@@ -7,13 +7,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl.checkpoint import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import build_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
-from hpcrl.engines.base import TrainingEngine
-from hpcrl.engines.registry import training_engine
-from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+from hpcrl.engines.base import NamedTensors, TrainingEngine
+from hpcrl.engines.registry import generation_engine, training_engine
+from hpcrl.engines.torch_trainer import Samples
 from hpcrl.rewards import score_responses
 from hpcrl.runtime.weight_sync import broadcast_named, weights_digest
 
@@ -33,6 +32,8 @@ class RoleContext:
     peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
     device: str = "cpu"       # "cuda:<local device>" on GPU nodes
     megatron_groups: dict | None = None  # this rank's Megatron process groups (engine: megatron)
+    replica_leader: bool = True           # the first rank of this rank's replica of the role
+    replica_devices: tuple[int, ...] = ()  # the local devices of that replica's ranks (vLLM's TP GPUs)
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
@@ -41,7 +42,8 @@ def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> Trainin
     name = job.engine(role)
     model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
     groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
-    return training_engine(name)(model, job, ctx.tokenizer.pad_token_id, groups, trainable=trainable)
+    options = {"zero_stage": job.zero_stage(role)} if name == "deepspeed" else {}
+    return training_engine(name)(model, job, ctx.tokenizer.pad_token_id, groups, trainable=trainable, **options)
 
 
 def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> torch.Generator:
@@ -76,18 +78,17 @@ class ActorTrain:
             moved += sum(t.numel() * t.element_size() for _, t in bucket)
         return moved
 
-    def digest(self) -> str:
-        return weights_digest(self.trainer.module)
+    def digest(self) -> str | None:
+        """None on a rank that holds no full copy (Megatron TP/PP ranks past the first of a replica)."""
+        named = list(self.trainer.named_weights())
+        return weights_digest(named) if named else None
 
     def save(self, checkpoint_dir: Path) -> None:
-        """DCP shards of model + optimizer: loadable on a different DP size."""
-        if not isinstance(self.trainer, TorchTrainer):
-            raise NotImplementedError(f"checkpoints of the {self.ctx.job.engine('actor_train')!r} engine are not "
-                                      "implemented yet; only the torch engine saves and resumes")
-        save_train_state(self.trainer.module, self.trainer.optimizer, checkpoint_dir / "actor_train", self.ctx.dp_group)
+        """The engine's model + optimizer state (collective over the role's ranks)."""
+        self.trainer.save_state(checkpoint_dir / "actor_train")
 
     def load(self, checkpoint_dir: Path) -> None:
-        load_train_state(self.trainer.module, self.trainer.optimizer, checkpoint_dir / "actor_train", self.ctx.dp_group)
+        self.trainer.load_state(checkpoint_dir / "actor_train")
 
 
 class Reference:
@@ -101,33 +102,59 @@ class Reference:
 
 
 class ActorInfer:
+    """Rollout with the job's generation engine. `native` runs on every rank of the role. `vllm` runs
+    one offline engine per rollout replica, on the replica's first rank, with tensor parallelism
+    inside vLLM over the replica's devices; the replica's other ranks give their GPUs to vLLM's
+    TP workers and only take part in the weight broadcast."""
+
     def __init__(self, ctx: RoleContext):
         job = self.job = ctx.job
         self.ctx = ctx
-        self.model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
+        name = job.engine("actor_infer")
+        tokenizer = ctx.tokenizer
+        # vLLM holds the weights itself: the HF model only hands it the config and the first weights.
+        self.model = build_model(job.model, tokenizer, job.seed).to(ctx.device if name == "native" else "cpu")
         self.model.requires_grad_(False)
-        self.sampler = NativeSampler(self.model, ctx.tokenizer.eos_token_id, ctx.tokenizer.pad_token_id)
+        self.engine = None
+        if name == "native":
+            self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        elif ctx.replica_leader:
+            self.engine = generation_engine(name)(self.model, tokenizer.eos_token_id, job.seed,
+                                                  tensor_parallel_size=len(ctx.replica_devices),
+                                                  devices=ctx.replica_devices)
+        self.received_digest: str | None = None   # engines whose weights live elsewhere (vLLM's workers)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
 
     def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch:
+        if self.engine is None:  # a vLLM TP follower: the replica's first rank answers for it
+            return {"response_ids": [], "behaviour_logprobs": []}
         generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
-        responses, logprobs = self.sampler.generate(batch["prompt_ids"], self.params, generator)
+        responses, logprobs = self.engine.generate(batch["prompt_ids"], self.params, generator)
         return {"response_ids": responses, "behaviour_logprobs": logprobs}
 
     def receive_weights(self) -> int:
         local_trainer = self.ctx.peers.get("actor_train")
         if local_trainer is not None:  # colocated: the trainer's weights are in this process
-            self.sampler.load_weights(list(local_trainer.trainer.named_weights()))
+            self._load(list(local_trainer.trainer.named_weights()))
             return 0
         moved = 0
         for bucket in broadcast_named(None, self.ctx.sync_src, self.ctx.sync_group):
-            self.sampler.load_weights(bucket)
+            self._load(bucket)
             moved += sum(t.numel() * t.element_size() for _, t in bucket)
         return moved
 
-    def digest(self) -> str:
-        return weights_digest(self.model)
+    def _load(self, weights: NamedTensors) -> None:
+        if self.engine is not None:
+            self.engine.load_weights(weights)
+        if self.job.log.check_weights and not isinstance(self.engine, NativeSampler):
+            self.received_digest = weights_digest(weights)
+
+    def digest(self) -> str | None:
+        """The native sampler's model itself; for vLLM the weights it was handed (its workers hold them)."""
+        if isinstance(self.engine, NativeSampler):
+            return weights_digest(self.model.named_parameters())
+        return self.received_digest if self.engine is not None else None
 
 
 class Reward:

@@ -38,9 +38,11 @@ def broadcast_named(weights: Iterable[tuple[str, torch.Tensor]] | None, src: int
 
 
 @torch.no_grad()
-def weights_digest(module: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in order: equal digests mean bit-identical weights."""
-    digest = hashlib.sha256()
-    for param in module.parameters():
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over (name, bytes) of every tensor, in name order: equal digests mean bit-identical
+    weights, whatever order or sharding the engine holding them iterates in."""
+    per_tensor = []
+    for name, tensor in named:
+        digest = hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        per_tensor.append((name, digest.hexdigest()))
+    return hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(per_tensor)).encode()).hexdigest()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
-from hpcrl.engines.megatron.groups import default_group_is, pg_collection
+from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
 from hpcrl.engines.megatron.model import build_gpt_model
 from hpcrl.engines.megatron.objective import policy_objective
 from hpcrl.engines.megatron.offload import release, restore
@@ -38,6 +39,7 @@ class MegatronTrainer:
 
         self.job = job
         self.pad_id = pad_id
+        self.groups = groups
         self.pgc = pg_collection(groups)
         self.shape = GPTShape.from_hf(model.config)
         self.model = build_gpt_model(model, self.pgc, job.seed)
@@ -164,15 +166,60 @@ class MegatronTrainer:
     # ---- weights ---------------------------------------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, yielded on the first rank of DP replica 0 (TP rank 0, PP stage 0).
+        """Full HF-named tensors, yielded on the first rank (TP rank 0, PP stage 0) of every DP replica.
 
-        Collective over the replica's TP and PP ranks; other replicas hold the same weights and
-        return at once, so every rank of the role may call it.
+        Collective over the replica's TP and PP ranks; the other ranks yield nothing.
         """
-        if self.pgc.dp.rank() != 0:
-            return iter(())
         local = [(name, p.detach()) for name, p in self.gpt.named_parameters()]
         return gather_hf(local, self.shape, self.pgc.tp, self.pgc.pp)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+
+    def _state_file(self, path: Path) -> Path:
+        return Path(path) / f"tp{self.pgc.tp.rank():02d}_pp{self.pgc.pp.rank():03d}.pt"
+
+    def _optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) if self.optimizer else []
+
+    def save_state(self, path: Path) -> None:
+        """One file per (TP, PP) coordinate, written by its DP rank 0 (Megatron's own layout of a
+        torch checkpoint): the model shard, the optimizer's common state, and the distributed
+        optimizer's shards gathered over DP, so the state loads on any DP size (same TP and PP).
+        Collective over the role's DP groups."""
+        param_states = [opt.get_parameter_state_dp_zero(use_gloo_comm=False) for opt in self._optimizers()]
+        if self.pgc.dp.rank() != 0:
+            return
+        Path(path).mkdir(parents=True, exist_ok=True)
+        model = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+        common = self.optimizer.state_dict() if self.optimizer is not None else None
+        torch.save({"model": model, "optimizer": common, "param_states": param_states}, self._state_file(path))
+
+    @torch.no_grad()
+    def load_state(self, path: Path) -> None:
+        file = self._state_file(path)
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: no Megatron state for TP rank {self.pgc.tp.rank()}, PP rank "
+                                    f"{self.pgc.pp.rank()}; a Megatron checkpoint resumes with the same tp and pp")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        missing, unexpected = self.gpt.load_state_dict(state["model"], strict=False)
+        real_missing = [k for k in missing if not k.endswith("_extra_state")]
+        if real_missing or unexpected:
+            raise RuntimeError(f"{file}: the model shard does not fit this model: missing {real_missing}, "
+                               f"unexpected {unexpected}")
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            first = self.pgc.dp.rank() == 0
+            for opt, param_state in zip(self._optimizers(), state["param_states"]):
+                opt.data_parallel_group_gloo = gloo_twin(self.groups, opt.data_parallel_group)
+                # megatron-core copies every per-parameter state entry from the file, which holds
+                # param, exp_avg and exp_avg_sq; torch's AdamW also keeps `step` there (restored
+                # above from the common state), so it steps aside for the copy. megatron-core gives
+                # every parameter the same step tensor, which AdamW would then advance once per
+                # parameter: each gets its own copy.
+                steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+                opt.load_parameter_state_from_dp_zero(param_state if first else None)
+                for p, step in steps.items():
+                    opt.optimizer.state[p]["step"] = step.clone()
 
     def offload(self) -> None:
         """Free device memory: weights, gradient buffers, optimizer state (no-op on a CPU engine)."""

@@ -30,6 +30,7 @@ _TOKENS = {
 }
 # With one distributed-optimizer instance, Megatron's "intra" groups are the full ones.
 _ALIASES = {"intra_dp_cp": "dp_cp", "intra_expt_dp": "expt_dp"}
+GLOO_TWINS = ("dp_cp", "expt_dp")   # the distributed optimizer's groups, also wanted over gloo
 
 
 def role_rank_groups(parallel: Mapping[str, int], ranks: Sequence[int]) -> dict[str, list[list[int]]]:
@@ -64,14 +65,34 @@ def new_role_groups(groups: Mapping[str, list[list[int]]], rank: int) -> dict[st
                 created[key] = dist.new_group(list(key))
             if rank in key:
                 mine[kind] = created[key]
+    if dist.get_backend() != "gloo":  # the distributed optimizer moves checkpoint state over gloo (host memory)
+        for kind in GLOO_TWINS:
+            mine[f"{kind}_gloo"] = None
+            for ranks in groups[kind]:
+                twin = dist.new_group(list(ranks), backend="gloo")
+                if rank in ranks:
+                    mine[f"{kind}_gloo"] = twin
     return mine if mine["intra_dist_opt"] is not None else None
+
+
+def gloo_twin(mine: Mapping[str, dist.ProcessGroup | None], group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The gloo group over the same ranks as `group` (itself when it is a gloo group already)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    for kind in GLOO_TWINS:
+        twin = mine.get(f"{kind}_gloo")
+        if twin is not None and dist.get_process_group_ranks(twin) == ranks:
+            return twin
+    raise RuntimeError(f"no gloo twin of the process group over ranks {ranks}")
 
 
 def pg_collection(mine: Mapping[str, dist.ProcessGroup | None]):
     """megatron-core's ProcessGroupCollection of this rank's groups (imports megatron)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return ProcessGroupCollection(**mine, **{alias: mine[kind] for alias, kind in _ALIASES.items()},
+    own = {kind: group for kind, group in mine.items() if not kind.endswith("_gloo")}
+    return ProcessGroupCollection(**own, **{alias: mine[kind] for alias, kind in _ALIASES.items()},
                                   inter_dist_opt=None)
 
 

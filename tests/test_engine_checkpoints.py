@@ -1,0 +1,47 @@
+"""Every GPU-capable training engine checkpoints and resumes inside the runtime, bit for bit.
+
+A rank is killed in step 3; the run restarts from step 2's checkpoint (the engine's own model and
+optimizer state) and must end with the weights and rewards of a run that was never interrupted.
+The torch engine has the same test in test_recovery.py. The engines run on CPU over gloo.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from conftest import REPO, hpcrl
+
+from hpcrl.metrics import read_metrics
+
+ENGINES = {  # name -> (the module its extra installs, the job overrides)
+    "megatron": ("megatron", ["roles.actor_train.engine=megatron"]),
+    "deepspeed-zero2": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=2"]),
+    "deepspeed-zero3": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=3"]),
+}
+SMALL = ["train.steps=4", "train.prompts_per_step=4", "algorithm.group_size=4", "log.tensorboard=false",
+         "log.check_weights=true", "checkpoint.every=2"]
+
+
+def run(run_dir, overrides: list[str], *extra: str, **kwargs):
+    sets = [x for o in SMALL + overrides for x in ("--set", o)]
+    return hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *sets, *extra, timeout=400, **kwargs)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_killed_rank_resumes_from_the_engines_checkpoint_bit_for_bit(tmp_path, engine):
+    module, overrides = ENGINES[engine]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install hpcrl[{module}])")
+    straight = run(tmp_path / "straight", overrides)
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    profile = tmp_path / "local-restarts.yaml"
+    profile.write_text((REPO / "clusters" / "local.yaml").read_text().replace("max_restarts: 0", "max_restarts: 1"))
+    killed = run(tmp_path / "killed", overrides, "--cluster", str(profile),
+                 env={"HPCRL_INJECT_FAULT": "2:train_step:3:exit"})
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "restart 1 of 1" in killed.stderr and "step-2 (step 2)" in killed.stderr
+    resumed, uninterrupted = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("killed", "straight"))
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert [m["reward_mean"] for m in resumed] == [m["reward_mean"] for m in uninterrupted]
+    assert resumed[-1]["digest_actor_train"] == uninterrupted[-1]["digest_actor_train"]
+    assert len(set(resumed[-1]["digest_actor_train"] + resumed[-1]["digest_actor_infer"]) - {None}) == 1
