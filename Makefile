@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,megatron]'
+	$(PY) -m pip install --quiet -e '.[test,megatron,deepspeed]'
 	touch $@
 
 demo: venv

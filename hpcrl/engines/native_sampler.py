@@ -82,8 +82,14 @@ class NativeSampler:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
             position_ids = position_ids[:, -1:] + 1
             out = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
-                             position_ids=position_ids, cache=out.cache, use_cache=True)
+                             position_ids=position_ids, use_cache=True, **_kv_cache(out))
         return _trim(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), self.eos_id)
+
+
+def _kv_cache(out) -> dict:
+    """The KV cache to pass back: transformers 5.20 renamed `past_key_values` to `cache`, and vLLM
+    0.32 (built for our torch) needs transformers < 5.20, so both spellings are served."""
+    return {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
 
 
 def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int) -> tuple[list[list[int]], list[list[float]]]:
