@@ -19,6 +19,7 @@ from hpcrl.algos import (
     reinforce_pp_advantages,
     rloo_advantages,
     truncated_importance_weights,
+    masked_importance_weights,
 )
 
 E = math.e
@@ -274,6 +275,14 @@ def test_truncated_importance_weights():
     weights = truncated_importance_weights(old, behaviour, torch.tensor([[1, 1, 1, 0]]), cap=2.0)
     close(weights, [[1.0, 2.0, 1 / E, 0.0]])
     assert not weights.requires_grad
+
+
+def test_masked_importance_weights_drop_tokens_outside_the_band():
+    # exp(old - behaviour): 1 kept, e^1 > 2 dropped, e^-0.5 in [1/2, 2] kept, e^-1 < 1/2 dropped, padding 0
+    old = t([[0.0, 1.0, -0.5, -1.0, -INF]])
+    behaviour = t([[0.0, 0.0, 0.0, 0.0, -INF]])
+    weights = masked_importance_weights(old, behaviour, torch.tensor([[1, 1, 1, 1, 0]]), cap=2.0)
+    close(weights, [[1.0, 0.0, math.exp(-0.5), 0.0, 0.0]])
 
 
 # ---- filters --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from hpcrl.engines.resharding import (
     layer_offset,
     mcore_to_hf,
     merge_tp,
+    named_buckets,
     plan_buckets,
     renumber,
     split_tp,
@@ -186,3 +187,16 @@ def _run(out: Path) -> None:
 
 if __name__ == "__main__":
     _run(Path(sys.argv[1]))
+
+
+def test_named_buckets_take_tensors_as_they_come_so_the_sync_source_never_holds_the_whole_model():
+    taken = []
+
+    def weights():
+        for i in range(4):
+            taken.append(i)
+            yield f"t{i}", torch.zeros(4)  # 16 bytes each
+
+    buckets = named_buckets(weights(), bucket_bytes=32)
+    assert [n for n, _ in next(buckets)] == ["t0", "t1"] and taken == [0, 1, 2]
+    assert [n for n, _ in next(buckets)] == ["t2", "t3"]

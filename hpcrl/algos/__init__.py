@@ -19,7 +19,8 @@ from hpcrl.algos.filters import nonzero_variance_groups
 from hpcrl.algos.groups import GroupStats, group_stats
 from hpcrl.algos.kl import KL_ESTIMATORS, kl_penalty
 from hpcrl.algos.masked import masked_mean, masked_sum, masked_whiten
-from hpcrl.algos.policy_loss import gspo_loss, ppo_clip_loss, truncated_importance_weights
+from hpcrl.algos.policy_loss import (gspo_loss, masked_importance_weights, ppo_clip_loss,
+                                     truncated_importance_weights)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -43,4 +44,5 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "truncated_importance_weights",
+    "masked_importance_weights",
 ]

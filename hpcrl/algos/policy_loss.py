@@ -140,3 +140,20 @@ def truncated_importance_weights(
     """
     weights = torch.exp(_log_ratio(old_logprobs, behaviour_logprobs))
     return torch.where(response_mask.bool(), weights.clamp(max=cap), torch.zeros_like(weights))
+
+
+@torch.no_grad()
+def masked_importance_weights(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, response_mask: Tensor, cap: float
+) -> Tensor:
+    """Masked importance sampling (MIS) weights, [N, T]: ``pi_old / pi_behaviour`` where that ratio
+    lies in ``[1/cap, cap]``, 0 elsewhere (IcePop; AReaL drops tokens over its cap the same way).
+
+    Where the policy has moved far from the one that sampled a token, TIS still trains on the
+    token with a capped, biased weight; MIS leaves it out, so a stale batch only pushes on the
+    tokens the current policy would still plausibly produce. Padding gets 0.
+    """
+    weights = torch.exp(_log_ratio(old_logprobs, behaviour_logprobs))
+    keep = response_mask.bool() & (weights <= cap) & (weights >= 1.0 / cap)
+    return torch.where(keep, weights, torch.zeros_like(weights))
+

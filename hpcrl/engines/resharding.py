@@ -233,6 +233,11 @@ def plan_buckets(meta: Meta, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[M
     return list(_buckets(meta, size, bucket_bytes))
 
 
+def named_buckets(named: Iterable[Named], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[Named]]:
+    """Buckets of (name, tensor) pairs, taken from `named` as they come (an iterator is not drained)."""
+    return _buckets(named, lambda pair: (pair[1].nbytes, pair[1].dtype), bucket_bytes)
+
+
 def _meta(named: Iterable[Named]) -> Meta:
     return [(n, tuple(t.shape), t.dtype) for n, t in named]
 
@@ -288,7 +293,7 @@ def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup |
 
 def _send_stage(hf: Iterable[Named], pp_group: dist.ProcessGroup, bucket_bytes: int) -> None:
     """Stream a stage's HF tensors to stage 0: (meta, flat tensor) per bucket, then an empty meta."""
-    for bucket in _buckets(hf, lambda pair: (pair[1].nbytes, pair[1].dtype), bucket_bytes):
+    for bucket in named_buckets(hf, bucket_bytes):
         dist.send_object_list([_meta(bucket)], group=pp_group, group_dst=0)
         dist.send(_flatten_dense_tensors([t.contiguous() for _, t in bucket]), group=pp_group, group_dst=0)
     dist.send_object_list([[]], group=pp_group, group_dst=0)

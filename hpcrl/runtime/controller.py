@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.algos import truncated_importance_weights
+from hpcrl.algos import masked_importance_weights, truncated_importance_weights
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
@@ -156,11 +156,12 @@ class Controller:
         return call, metrics
 
     def _importance_weights(self, batch: dict[str, list], lengths: list[int]) -> list[list[float]]:
-        """Truncated importance weights (TIS) correcting stale samples towards the current policy."""
+        """Importance weights (TIS or MIS) correcting stale samples towards the current policy."""
         old = right_pad(batch["old_logprobs"], 0.0, torch.float32)
         behaviour = right_pad(batch["behaviour_logprobs"], 0.0, torch.float32)
         mask = length_mask(lengths)
-        weights = truncated_importance_weights(old, behaviour, mask, self.job.rollout.is_cap)
+        correct = masked_importance_weights if self.job.rollout.is_correction == "mis" else truncated_importance_weights
+        weights = correct(old, behaviour, mask, self.job.rollout.is_cap)
         return [row[:n] for row, n in zip(weights.tolist(), lengths)]
 
     def _sync_weights(self) -> "_Both":

@@ -1,9 +1,10 @@
 """Trainer -> rollout weight sync: HF-named tensors in flat buckets over a torch.distributed group.
 
-The source (the first rank of the trainer's first DP replica) first broadcasts the list of names,
-shapes and dtypes; then both sides cut that list into the same buckets and each bucket is one flat
-broadcast (NCCL on GPUs, gloo here): few large messages instead of one per tensor, and no files.
-Receivers load bucket by bucket, so no rank ever holds a second full copy of the model.
+The source (the first rank of the trainer's first DP replica) takes the weights from the engine's
+iterator bucket by bucket; each bucket is two broadcasts, its (name, shape, dtype) list, then one
+flat tensor (NCCL on GPUs, gloo here); an empty list ends the sync. Few large messages instead of
+one per tensor, no files, and no rank ever holds a second full copy of the model: the source
+gathers (Megatron TP/PP, ZeRO-3) one bucket ahead and receivers load bucket by bucket.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hpcrl.engines.base import NamedTensors
-from hpcrl.engines.resharding import DEFAULT_BUCKET_BYTES, plan_buckets
+from hpcrl.engines.resharding import DEFAULT_BUCKET_BYTES, named_buckets
 
 
 @torch.no_grad()
@@ -24,17 +25,21 @@ def broadcast_named(weights: Iterable[tuple[str, torch.Tensor]] | None, src: int
     """Yield the weights bucket by bucket: sent from `weights` on `src`, received elsewhere."""
     sending = dist.get_rank() == src
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    tensors = dict(weights) if sending else {}
-    holder = [[(n, tuple(t.shape), t.dtype) for n, t in tensors.items()] if sending else None]
-    dist.broadcast_object_list(holder, src=src, group=group)
-    for bucket in plan_buckets(holder[0], bucket_bytes):
+    buckets = named_buckets(weights, bucket_bytes) if sending else None
+    while True:
+        bucket = next(buckets, []) if sending else []
+        holder = [[(n, tuple(t.shape), t.dtype) for n, t in bucket]]
+        dist.broadcast_object_list(holder, src=src, group=group)
+        meta = holder[0]
+        if not meta:
+            return
         if sending:
-            flat = _flatten_dense_tensors([tensors[name].to(device).contiguous() for name, _, _ in bucket])
+            flat = _flatten_dense_tensors([t.to(device).contiguous() for _, t in bucket])
         else:
-            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in bucket), dtype=bucket[0][2], device=device)
+            flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in meta), dtype=meta[0][2], device=device)
         dist.broadcast(flat, src=src, group=group)
-        templates = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in bucket]
-        yield [(name, value) for (name, _, _), value in zip(bucket, _unflatten_dense_tensors(flat, templates))]
+        templates = [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in meta]
+        yield [(name, value) for (name, _, _), value in zip(meta, _unflatten_dense_tensors(flat, templates))]
 
 
 @torch.no_grad()
