@@ -87,6 +87,9 @@ def test_zero_stage_belongs_to_the_data_parallel_deepspeed_engine(tmp_path):
                                                              "roles.actor_train.zero_stage=4"])
     job = load_job(path, ["roles.actor_train.engine=deepspeed"])
     assert (job.zero_stage("actor_train"), job.zero_stage("actor_infer")) == (2, 0)
+    assert "roles.actor_train.fsdp: FSDP2 is how the torch engine shards" in error_of(
+        path, ["roles.actor_train.engine=deepspeed", "roles.actor_train.fsdp=true"])
+    assert load_job(path, ["roles.actor_train.fsdp=true"]).zero_stage("actor_train") == 3
 
 
 def test_overrides_are_typed_and_validated(tmp_path):

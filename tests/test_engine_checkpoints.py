@@ -1,8 +1,8 @@
-"""Every GPU-capable training engine checkpoints and resumes inside the runtime, bit for bit.
+"""Every sharding training engine checkpoints and resumes inside the runtime, bit for bit.
 
 A rank is killed in step 3; the run restarts from step 2's checkpoint (the engine's own model and
 optimizer state) and must end with the weights and rewards of a run that was never interrupted.
-The torch engine has the same test in test_recovery.py. The engines run on CPU over gloo.
+The torch engine with DDP has the same test in test_recovery.py. The engines run on CPU over gloo.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from conftest import REPO, hpcrl
 from hpcrl.metrics import read_metrics
 
 ENGINES = {  # name -> (the module its extra installs, the job overrides)
+    "torch-fsdp2": ("torch", ["roles.actor_train.fsdp=true"]),
     "megatron": ("megatron", ["roles.actor_train.engine=megatron"]),
     "deepspeed-zero2": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=2"]),
     "deepspeed-zero3": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=3"]),

@@ -153,6 +153,8 @@ class RoleConfig(Schema):
     zero_stage: Literal[1, 2, 3] | None = Field(None, description="engine: deepspeed only: what ZeRO shards over the "
                                                 "DP ranks: 1 optimizer state, 2 and gradients, 3 and parameters "
                                                 "(default 2)")
+    fsdp: bool = Field(False, description="engine: torch only: shard parameters, gradients and optimizer state "
+                                          "over the DP ranks with FSDP2 instead of replicating them with DDP")
     parallel: Parallel = Parallel()
     stages: list[StageName] | None = None
     placement: RolePlacement | None = None
@@ -198,6 +200,9 @@ class JobConfig(Schema):
             if role.zero_stage is not None and engine != "deepspeed":
                 raise ValueError(f"roles.{name}.zero_stage: only the deepspeed engine shards with ZeRO (this role's "
                                  f"engine is {engine!r}); set engine: deepspeed or remove zero_stage")
+            if role.fsdp and engine != "torch":
+                raise ValueError(f"roles.{name}.fsdp: FSDP2 is how the torch engine shards (this role's engine is "
+                                 f"{engine!r}); remove fsdp, or use zero_stage with engine: deepspeed")
             p = role.parallel
             if engine == "deepspeed" and (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
                 raise ValueError(f"roles.{name}.parallel: the deepspeed engine is data parallel only (ZeRO shards over "
@@ -209,10 +214,12 @@ class JobConfig(Schema):
         return config.engine or DEFAULT_ENGINE[role]
 
     def zero_stage(self, role: str) -> int:
-        """The ZeRO stage of a deepspeed role (0 for other engines: nothing sharded over DP)."""
-        if self.engine(role) != "deepspeed":
-            return 0
-        return getattr(self.roles, role).zero_stage or 2
+        """What the role shards over its DP ranks, in ZeRO's terms: deepspeed's stage (default 2), 3 for
+        torch with fsdp (FSDP2 shards what ZeRO-3 does), 0 otherwise (replicas)."""
+        config, engine = getattr(self.roles, role), self.engine(role)
+        if engine == "deepspeed":
+            return config.zero_stage or 2
+        return 3 if engine == "torch" and config.fsdp else 0
 
     def stages(self, role: str) -> tuple[str, ...]:
         config = getattr(self.roles, role)

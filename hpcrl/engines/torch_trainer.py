@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
@@ -28,6 +29,17 @@ class Samples:
     columns: dict[str, list[list[float]]]  # per-token values: old_logprobs, ref_logprobs, advantages, ...
 
 
+def _fully_shard(model: torch.nn.Module, dp_group: dist.ProcessGroup, device: torch.device) -> None:
+    """FSDP2 in place: every decoder layer, then the rest (embeddings, norm, head) as the root unit."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
@@ -36,7 +48,8 @@ class TorchTrainer:
     """Holds one model replica per DP rank; gradients are averaged by DDP over `dp_group`."""
 
     def __init__(self, model: torch.nn.Module, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
-                 trainable: bool = True):
+                 trainable: bool = True, fsdp: bool = False):
+        """fsdp: shard with FSDP2 over `dp_group` (each decoder layer a unit) instead of DDP replicas."""
         self.model = model
         self.job = job
         self.pad_id = pad_id
@@ -44,9 +57,11 @@ class TorchTrainer:
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.device = next(model.parameters()).device
         self.optimizer = None
+        if fsdp and self.dp_size > 1:
+            _fully_shard(model, dp_group, self.device)
         if trainable:
             model.train()
-            if self.dp_size > 1:
+            if self.dp_size > 1 and not fsdp:
                 self.model = DistributedDataParallel(model, process_group=dp_group)
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr,
                                                weight_decay=job.train.weight_decay)
@@ -59,8 +74,10 @@ class TorchTrainer:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every replica holds the full model: its parameters already carry the HF names."""
-        return ((name, p.detach()) for name, p in self.module.named_parameters())
+        """Parameters under their HF names; FSDP2 shards are gathered one parameter at a time
+        (collective over the DP group: every DP rank iterates)."""
+        for name, p in self.module.named_parameters():
+            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
     def offload(self) -> None:
         """Nothing to do on CPU; on GPUs the weights and Adam state move to pinned host memory."""

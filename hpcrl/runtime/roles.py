@@ -43,6 +43,8 @@ def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> Trainin
     model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
     groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
     options = {"zero_stage": job.zero_stage(role)} if name == "deepspeed" else {}
+    if name == "torch":
+        options = {"fsdp": getattr(job.roles, role).fsdp}
     return training_engine(name)(model, job, ctx.tokenizer.pad_token_id, groups, trainable=trainable, **options)
 
 
