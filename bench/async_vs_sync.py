@@ -1,10 +1,12 @@
 """Synchronous (K=0) against asynchronous (K=2) rollout on the tiny job, side by side.
 
-Runs `hpcrl run jobs/tiny_grpo.yaml` twice in one process tree, with `rollout.max_staleness` 0
-and 2, and prints samples/s, the idle fractions of the rollout and training ranks, and the final
-reward (mean of the last 10 steps) of each.
+Runs `hpcrl run jobs/tiny_grpo.yaml` in one process tree, with `rollout.max_staleness` 0 and 2,
+once per seed (one run at a time, so that samples/s are measured on an idle machine), and prints
+samples/s, the idle fractions of the rollout and training ranks, and the final reward: the mean
+reward of the last 10% of the steps, averaged over the seeds. One RL run is one random trajectory:
+a single seed, or a 10-step window, says little about a difference of a few hundredths.
 
-    .venv/bin/python bench/async_vs_sync.py [--steps 600] [--set KEY=VALUE ...]
+    .venv/bin/python bench/async_vs_sync.py [--steps 700] [--seeds 1 2] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from statistics import fmean
 from hpcrl.metrics import read_metrics
 
 
-def run(job: str, staleness: int, steps: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
-    sets = [f"train.steps={steps}", f"rollout.max_staleness={staleness}", "log.tensorboard=false",
+def run(job: str, staleness: int, steps: int, seed: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
+    sets = [f"train.steps={steps}", f"rollout.max_staleness={staleness}", f"seed={seed}", "log.tensorboard=false",
             "checkpoint.every=0", *overrides]
     command = [sys.executable, "-m", "hpcrl", "run", job, "--run-dir", str(run_dir)]
     command += [x for s in sets for x in ("--set", s)]
@@ -33,7 +35,7 @@ def run(job: str, staleness: int, steps: int, overrides: list[str], run_dir: Pat
         "samples/s": sum(r["samples"] for r in steady) / sum(r["time_step_s"] for r in steady),
         "rollout idle": fmean(r["rollout_idle_frac"] for r in steady),
         "train idle": fmean(r["train_idle_frac"] for r in steady),
-        "final reward": fmean(r["reward_mean"] for r in rows[-10:]),
+        "final reward": fmean(r["reward_mean"] for r in rows[-max(10, len(rows) // 10):]),
         "max staleness": max(r["staleness_max"] for r in rows),
         "wall s": wall,
     }
@@ -42,17 +44,24 @@ def run(job: str, staleness: int, steps: int, overrides: list[str], run_dir: Pat
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default="jobs/tiny_grpo.yaml")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
+    per_seed: dict[int, list[dict[str, float]]] = {0: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {k: run(args.job, k, args.steps, args.overrides, Path(tmp) / f"k{k}") for k in (0, 2)}
-    print(f"{args.job}, {args.steps} steps")
+        for seed in args.seeds:
+            for k in per_seed:
+                per_seed[k].append(run(args.job, k, args.steps, seed, args.overrides, Path(tmp) / f"k{k}-s{seed}"))
+    results = {k: {key: fmean(r[key] for r in runs) for key in runs[0]} for k, runs in per_seed.items()}
+    print(f"{args.job}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))} (means over the seeds)")
     print(f"{'':<15}{'K=0 (sync)':>12}{'K=2 (async)':>13}{'ratio':>8}")
     for key in results[0]:
         sync, asyn = results[0][key], results[2][key]
         ratio = f"{asyn / sync:.2f}" if sync else "-"
         print(f"{key:<15}{sync:>12.3f}{asyn:>13.3f}{ratio:>8}")
+    for k, runs in per_seed.items():
+        print(f"final reward per seed, K={k}: " + ", ".join(f"{r['final reward']:.3f}" for r in runs))
     return 0
 
 
