@@ -1,7 +1,8 @@
 """The single controller (MPI rank 0): it runs the RL pipeline and is the only rank that decides.
 
 An event loop over asynchronous worker calls. Production: generation rounds on the rollout ranks,
-scored as they return (rewards overlap the next round's generation). Consumption: for step b,
+scored as each returns, while training runs (the next round of a batch waits for the scores:
+dynamic sampling decides from them what to refill). Consumption: for step b,
 logprobs (actor and reference) -> advantages -> train, then the weight sync. The rollout
 scheduler decides what may be generated with which weights (the staleness bound); with
 `rollout.max_staleness: 0` this is exactly the synchronous pipeline.
