@@ -20,6 +20,7 @@ from hpcrl.algos import (
     rloo_advantages,
     truncated_importance_weights,
     masked_importance_weights,
+    sequence_importance_weights,
 )
 
 E = math.e
@@ -283,6 +284,13 @@ def test_masked_importance_weights_drop_tokens_outside_the_band():
     behaviour = t([[0.0, 0.0, 0.0, 0.0, -INF]])
     weights = masked_importance_weights(old, behaviour, torch.tensor([[1, 1, 1, 1, 0]]), cap=2.0)
     close(weights, [[1.0, 0.0, math.exp(-0.5), 0.0, 0.0]])
+
+
+def test_sequence_importance_weights_give_every_token_the_truncated_product():
+    old = t([[0.1, 0.2, -INF], [1.0, 0.5, 0.0]])
+    behaviour = t([[0.0, 0.0, -INF], [0.0, 0.0, 0.0]])
+    weights = sequence_importance_weights(old, behaviour, torch.tensor([[1, 1, 0], [1, 1, 1]]), cap=2.0)
+    close(weights, [[math.exp(0.3), math.exp(0.3), 0.0], [2.0, 2.0, 2.0]])  # e^1.5 > 2: truncated
 
 
 # ---- filters --------------------------------------------------------------------------------

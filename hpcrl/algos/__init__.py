@@ -20,7 +20,7 @@ from hpcrl.algos.groups import GroupStats, group_stats
 from hpcrl.algos.kl import KL_ESTIMATORS, kl_penalty
 from hpcrl.algos.masked import masked_mean, masked_sum, masked_whiten
 from hpcrl.algos.policy_loss import (gspo_loss, masked_importance_weights, ppo_clip_loss,
-                                     truncated_importance_weights)
+                                     sequence_importance_weights, truncated_importance_weights)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -45,4 +45,5 @@ __all__ = [
     "rloo_advantages",
     "truncated_importance_weights",
     "masked_importance_weights",
+    "sequence_importance_weights",
 ]

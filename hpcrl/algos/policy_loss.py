@@ -8,6 +8,8 @@ Logprobs may hold anything on padding; advantages and importance weights must be
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -156,4 +158,17 @@ def masked_importance_weights(
     weights = torch.exp(_log_ratio(old_logprobs, behaviour_logprobs))
     keep = response_mask.bool() & (weights <= cap) & (weights >= 1.0 / cap)
     return torch.where(keep, weights, torch.zeros_like(weights))
+
+
+@torch.no_grad()
+def sequence_importance_weights(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, response_mask: Tensor, cap: float
+) -> Tensor:
+    """Sequence-level truncated weights ``min(prod_t pi_old / pi_behaviour, cap)`` on every token
+    of the response, [N, T]. The reward belongs to the whole sequence, so the sequence's ratio is
+    the exact correction of its advantage; per-token weights approximate it. Padding gets 0."""
+    log_ratio = torch.where(response_mask.bool(), _log_ratio(old_logprobs, behaviour_logprobs),
+                            torch.zeros_like(old_logprobs))
+    weights = torch.exp(log_ratio.sum(-1, keepdim=True).clamp(max=math.log(cap))).expand_as(old_logprobs)
+    return torch.where(response_mask.bool(), weights, torch.zeros_like(weights))
 

@@ -114,9 +114,10 @@ class RolloutConfig(Schema):
     is_cap: PositiveFloat = Field(10.0, description="bound of the off-policy importance weight pi_old/pi_behaviour "
                                   "of stale samples (bench/async_vs_sync.py: 2 held the tiny job's async run back, "
                                   "0.77 vs 0.87 final reward; 10 matched the synchronous run)")
-    is_correction: Literal["tis", "mis"] = Field(
-        "tis", description="stale samples: tis truncates the weight at is_cap; mis drops tokens whose "
-                           "weight is outside [1/is_cap, is_cap]")
+    is_correction: Literal["tis", "mis", "seq-tis"] = Field(
+        "tis", description="stale samples: tis truncates each token's weight at is_cap; mis drops tokens whose "
+                           "weight is outside [1/is_cap, is_cap]; seq-tis gives every token the sequence's "
+                           "truncated weight")
     max_refills: NonNegativeInt = Field(10, description="dynamic sampling: extra generation rounds per batch")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.algos import masked_importance_weights, truncated_importance_weights
+from hpcrl.algos import masked_importance_weights, sequence_importance_weights, truncated_importance_weights
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
@@ -31,6 +31,10 @@ from hpcrl.runtime.checkpointing import Checkpointer
 from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, run, wait, wait_any
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN
+
+
+IMPORTANCE_WEIGHTS = {"tis": truncated_importance_weights, "mis": masked_importance_weights,
+                      "seq-tis": sequence_importance_weights}
 
 
 class Busy:
@@ -161,7 +165,7 @@ class Controller:
         old = right_pad(batch["old_logprobs"], 0.0, torch.float32)
         behaviour = right_pad(batch["behaviour_logprobs"], 0.0, torch.float32)
         mask = length_mask(lengths)
-        correct = masked_importance_weights if self.job.rollout.is_correction == "mis" else truncated_importance_weights
+        correct = IMPORTANCE_WEIGHTS[self.job.rollout.is_correction]
         weights = correct(old, behaviour, mask, self.job.rollout.is_cap)
         return [row[:n] for row, n in zip(weights.tolist(), lengths)]
 
