@@ -200,3 +200,13 @@ def test_named_buckets_take_tensors_as_they_come_so_the_sync_source_never_holds_
     buckets = named_buckets(weights(), bucket_bytes=32)
     assert [n for n, _ in next(buckets)] == ["t0", "t1"] and taken == [0, 1, 2]
     assert [n for n, _ in next(buckets)] == ["t2", "t3"]
+
+
+def test_a_digest_collected_bucket_by_bucket_equals_the_digest_of_the_whole():
+    from hpcrl.runtime.weight_sync import combine_digests, tensor_digests, weights_digest
+
+    weights = [(f"t{i}", torch.full((3,), float(i))) for i in range(4)]
+    by_bucket = tensor_digests(weights[:2]) + tensor_digests(weights[2:])
+    assert combine_digests(by_bucket) == weights_digest(weights) == weights_digest(reversed(weights))
+    assert combine_digests(tensor_digests(weights[2:])) != weights_digest(weights), "every bucket counts"
+    assert weights_digest([]) is None

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.deepspeed_world import scope_deepspeed_world
-from hpcrl.engines.torch_trainer import TorchTrainer
+from hpcrl.engines.torch_trainer import TorchTrainer, adamw
 
 _NEVER = 2 ** 62   # DeepSpeed's steps_per_print: hpcrl prints its own metrics
 
@@ -84,7 +84,7 @@ class DeepSpeedTrainer(TorchTrainer):
         self.trainable = trainable
         if trainable:
             model.train()
-            optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
+            optimizer = adamw(model, job)
         else:
             model.requires_grad_(False)
             model.eval()

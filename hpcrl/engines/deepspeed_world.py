@@ -45,9 +45,16 @@ class RoleScopedBackend:
         self._ranks = dist.get_process_group_ranks(group)
 
     def __getattr__(self, name: str) -> Any:
+        """Called only for names not set yet: each method is resolved once and kept on the instance,
+        so collectives on the training path do not inspect signatures again."""
         attr = getattr(self._backend, name)
         if not callable(attr):
             return attr
+        resolved = self._scope(attr)
+        setattr(self, name, resolved)
+        return resolved
+
+    def _scope(self, attr: Any) -> Any:
         signature = _signature(attr)
         if signature is None or "group" not in signature.parameters:
             return attr

@@ -40,6 +40,11 @@ def _fully_shard(model: torch.nn.Module, dp_group: dist.ProcessGroup, device: to
     fully_shard(model, mesh=mesh)
 
 
+def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
+    """The optimizer of every torch-based engine (torch, deepspeed) from the job's train settings."""
+    return torch.optim.AdamW(model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
 
@@ -63,8 +68,7 @@ class TorchTrainer:
             model.train()
             if self.dp_size > 1 and not fsdp:
                 self.model = DistributedDataParallel(model, process_group=dp_group)
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr,
-                                               weight_decay=job.train.weight_decay)
+            self.optimizer = adamw(model, job)
         else:
             model.requires_grad_(False)
             model.eval()

@@ -161,7 +161,7 @@ class Controller:
         return call, metrics
 
     def _importance_weights(self, batch: dict[str, list], lengths: list[int]) -> list[list[float]]:
-        """Importance weights (TIS or MIS) correcting stale samples towards the current policy."""
+        """Importance weights (rollout.is_correction) correcting stale samples towards the current policy."""
         old = right_pad(batch["old_logprobs"], 0.0, torch.float32)
         behaviour = right_pad(batch["behaviour_logprobs"], 0.0, torch.float32)
         mask = length_mask(lengths)

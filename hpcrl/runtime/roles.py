@@ -1,6 +1,7 @@
 """The roles a worker rank can host. Each public method is callable by the controller."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from hpcrl.engines.base import NamedTensors, TrainingEngine
 from hpcrl.engines.registry import generation_engine, training_engine
 from hpcrl.engines.torch_trainer import Samples
 from hpcrl.rewards import score_responses
-from hpcrl.runtime.weight_sync import broadcast_named, weights_digest
+from hpcrl.runtime.weight_sync import broadcast_named, combine_digests, tensor_digests, weights_digest
 
 Batch = dict[str, list]
 
@@ -42,9 +43,8 @@ def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> Trainin
     name = job.engine(role)
     model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
     groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
-    options = {"zero_stage": job.zero_stage(role)} if name == "deepspeed" else {}
-    if name == "torch":
-        options = {"fsdp": getattr(job.roles, role).fsdp}
+    options = {"torch": {"fsdp": getattr(job.roles, role).fsdp},
+               "deepspeed": {"zero_stage": job.zero_stage(role)}}.get(name, {})
     return training_engine(name)(model, job, ctx.tokenizer.pad_token_id, groups, trainable=trainable, **options)
 
 
@@ -82,8 +82,7 @@ class ActorTrain:
 
     def digest(self) -> str | None:
         """None on a rank that holds no full copy (Megatron TP/PP ranks past the first of a replica)."""
-        named = list(self.trainer.named_weights())
-        return weights_digest(named) if named else None
+        return weights_digest(self.trainer.named_weights())
 
     def save(self, checkpoint_dir: Path) -> None:
         """The engine's model + optimizer state (collective over the role's ranks)."""
@@ -138,19 +137,24 @@ class ActorInfer:
     def receive_weights(self) -> int:
         local_trainer = self.ctx.peers.get("actor_train")
         if local_trainer is not None:  # colocated: the trainer's weights are in this process
-            self._load(list(local_trainer.trainer.named_weights()))
+            self._load([list(local_trainer.trainer.named_weights())])
             return 0
-        moved = 0
-        for bucket in broadcast_named(None, self.ctx.sync_src, self.ctx.sync_group):
-            self._load(bucket)
-            moved += sum(t.numel() * t.element_size() for _, t in bucket)
-        return moved
+        return self._load(broadcast_named(None, self.ctx.sync_src, self.ctx.sync_group))
 
-    def _load(self, weights: NamedTensors) -> None:
-        if self.engine is not None:
-            self.engine.load_weights(weights)
-        if self.job.log.check_weights and not isinstance(self.engine, NativeSampler):
-            self.received_digest = weights_digest(weights)
+    def _load(self, buckets: Iterable[NamedTensors]) -> int:
+        """Hand every bucket to the engine; returns the bytes moved. For an engine whose weights live
+        elsewhere (vLLM's workers) the digest of what it was handed is kept, over all buckets."""
+        hashed = self.job.log.check_weights and not isinstance(self.engine, NativeSampler)
+        digests, moved = [], 0
+        for bucket in buckets:
+            if self.engine is not None:
+                self.engine.load_weights(bucket)
+            if hashed:
+                digests += tensor_digests(bucket)
+            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        if hashed:
+            self.received_digest = combine_digests(digests)
+        return moved
 
     def digest(self) -> str | None:
         """The native sampler's model itself; for vLLM the weights it was handed (its workers hold them)."""

@@ -43,11 +43,19 @@ def broadcast_named(weights: Iterable[tuple[str, torch.Tensor]] | None, src: int
 
 
 @torch.no_grad()
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over (name, bytes) of every tensor, in name order: equal digests mean bit-identical
-    weights, whatever order or sharding the engine holding them iterates in."""
-    per_tensor = []
-    for name, tensor in named:
-        digest = hashlib.sha256(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        per_tensor.append((name, digest.hexdigest()))
+def tensor_digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
+    """(name, SHA-256 of the bytes) of every tensor: collect them bucket by bucket, then combine."""
+    return [(name, hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+            for name, t in named]
+
+
+def combine_digests(per_tensor: list[tuple[str, str]]) -> str | None:
+    """One digest over (name, digest) pairs in name order (None for no tensors): equal digests mean
+    bit-identical weights, whatever order or sharding the engine holding them iterates in."""
+    if not per_tensor:
+        return None
     return hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(per_tensor)).encode()).hexdigest()
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    return combine_digests(tensor_digests(named))
