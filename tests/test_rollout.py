@@ -117,9 +117,11 @@ def test_the_buffer_round_trips_through_a_checkpoint():
 FAST = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "log.tensorboard=false"]
 
 
-def test_async_run_never_exceeds_the_staleness_bound(tmp_path):
+@pytest.mark.parametrize("correction", ["tis", "ppo"])
+def test_async_run_never_exceeds_the_staleness_bound(tmp_path, correction):
     result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=8",
-                   "--set", "rollout.max_staleness=2", *FAST, timeout=300)
+                   "--set", "rollout.max_staleness=2", "--set", f"rollout.is_correction={correction}",
+                   *FAST, timeout=300)
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -177,3 +179,17 @@ def test_k0_reproduces_the_synchronous_pipeline_exactly(tmp_path):
     rewards, digest = reference_synchronous_run(load_job(REPO / "jobs" / "tiny_grpo.yaml", overrides), 4)
     assert [m["reward_mean"] for m in metrics] == rewards
     assert metrics[-1]["digest_actor_train"] == [digest]
+
+
+def test_stale_samples_are_corrected_as_rollout_is_correction_says():
+    from hpcrl.runtime.off_policy import off_policy_columns
+    old, behaviour = [[-0.1, -2.0], [-1.0]], [[-0.2, -0.5], [-4.0]]
+    # ppo: the loss's ratio is taken against the policy that sampled; no separate weight.
+    assert off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour) == {"old_logprobs": behaviour}
+    # tis: the ratio stays against the recomputed policy; each token gets min(pi_old / pi_behaviour, cap).
+    weights = off_policy_columns(job("rollout.is_cap=5").rollout, old, behaviour)
+    assert list(weights) == ["importance_weights"]
+    assert [len(row) for row in weights["importance_weights"]] == [2, 1]
+    assert weights["importance_weights"][0] == pytest.approx([torch.exp(torch.tensor(0.1)).item(),
+                                                              torch.exp(torch.tensor(-1.5)).item()])
+    assert weights["importance_weights"][1] == pytest.approx([5.0])

@@ -15,26 +15,22 @@ from pathlib import Path
 from statistics import fmean, pstdev
 from typing import Any
 
-import torch
 
-from hpcrl.algos import masked_importance_weights, sequence_importance_weights, truncated_importance_weights
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
-from hpcrl.engines.batch import length_mask, right_pad
 from hpcrl.metrics import StepRecorder
 from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
 from hpcrl.rollout.scheduler import RolloutScheduler
 from hpcrl.runtime.advantages import mean_kl, token_advantages
+from hpcrl.runtime.off_policy import off_policy_columns
 from hpcrl.runtime.checkpointing import Checkpointer
 from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, run, wait, wait_any
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN
 
 
-IMPORTANCE_WEIGHTS = {"tis": truncated_importance_weights, "mis": masked_importance_weights,
-                      "seq-tis": sequence_importance_weights}
 
 
 class Busy:
@@ -138,11 +134,11 @@ class Controller:
         lengths = [len(r) for r in batch["response_ids"]]
         batch["advantages"] = token_advantages(algo, batch["rewards"], batch["group_index"], lengths,
                                                batch["old_logprobs"], batch.get("ref_logprobs"))
+        train_keys = ("prompt_ids", "response_ids", "old_logprobs", "ref_logprobs", "advantages")
+        train_batch = {k: batch[k] for k in train_keys if k in batch}
         if stats["staleness_max"] > 0:
-            batch["importance_weights"] = self._importance_weights(batch, lengths)
-        train_keys = ("prompt_ids", "response_ids", "old_logprobs", "ref_logprobs", "advantages", "importance_weights")
-        call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT,
-                                               {k: batch[k] for k in train_keys if k in batch})
+            train_batch.update(off_policy_columns(self.job.rollout, batch["old_logprobs"], batch["behaviour_logprobs"]))
+        call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch)
         gap = max(abs(a - b) for old, beh in zip(batch["old_logprobs"], batch["behaviour_logprobs"])
                   for a, b in zip(old, beh))
         rewards = batch["rewards"]
@@ -159,15 +155,6 @@ class Controller:
             **stats,
         }
         return call, metrics
-
-    def _importance_weights(self, batch: dict[str, list], lengths: list[int]) -> list[list[float]]:
-        """Importance weights (rollout.is_correction) correcting stale samples towards the current policy."""
-        old = right_pad(batch["old_logprobs"], 0.0, torch.float32)
-        behaviour = right_pad(batch["behaviour_logprobs"], 0.0, torch.float32)
-        mask = length_mask(lengths)
-        correct = IMPORTANCE_WEIGHTS[self.job.rollout.is_correction]
-        weights = correct(old, behaviour, mask, self.job.rollout.is_cap)
-        return [row[:n] for row, n in zip(weights.tolist(), lengths)]
 
     def _sync_weights(self) -> "_Both":
         """Send the trainer's weights to rollout. Each rank runs its calls in order, so every round
