@@ -15,7 +15,6 @@ from pathlib import Path
 from statistics import fmean, pstdev
 from typing import Any
 
-
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
@@ -24,13 +23,11 @@ from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
 from hpcrl.rollout.scheduler import RolloutScheduler
 from hpcrl.runtime.advantages import mean_kl, token_advantages
-from hpcrl.runtime.off_policy import off_policy_columns
 from hpcrl.runtime.checkpointing import Checkpointer
 from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, run, wait, wait_any
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN
-
-
+from hpcrl.runtime.off_policy import off_policy_columns
 
 
 class Busy:
