@@ -1,6 +1,7 @@
 """The CPU engines: the KV-cache sampler agrees with the trainer token for token."""
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import REPO
 
@@ -71,6 +72,39 @@ def test_every_loss_aggregation_trains():
         old = trainer.logprobs(prompts, responses)
         before = [p.clone() for p in trainer.module.parameters()]
         metrics = trainer.train_step(Samples(prompts, responses, {
-            "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}))
+            "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}), job.train.lr)
         assert torch.isfinite(torch.tensor(metrics["loss"]))
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters())), mode
+
+
+def test_the_learning_rate_follows_train_lr_schedule():
+    from hpcrl.engines.lr_schedule import learning_rate
+
+    def rates(*overrides: str) -> list[float]:
+        train = load_job(REPO / "jobs" / "tiny_grpo.yaml", ["train.steps=10", "train.lr=1.0", *overrides]).train
+        return [learning_rate(train, step) for step in range(1, 11)]
+
+    assert rates("train.lr_schedule=constant") == [1.0] * 10
+    assert rates("train.lr_schedule=linear") == pytest.approx([1 - s / 10 for s in range(1, 11)])
+    cosine = rates("train.lr_schedule=cosine", "train.min_lr_ratio=0.1")
+    assert cosine[4] == pytest.approx(0.55) and cosine[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(cosine, cosine[1:]))
+    warm = rates("train.lr_schedule=linear", "train.lr_warmup_steps=4")
+    assert warm[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert warm[4:] == pytest.approx([1 - s / 6 for s in range(1, 7)])
+
+
+def test_train_step_trains_at_the_rate_it_is_given():
+    from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+
+    job, tokenizer, _ = tiny()
+    prompts, responses = [tokenizer.encode("1+2=")] * 2, [[6, 2], [5]]
+    moved = []
+    for lr in (0.0, 1e-3):
+        trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
+        old = trainer.logprobs(prompts, responses)
+        before = [p.clone() for p in trainer.module.parameters()]
+        trainer.train_step(Samples(prompts, responses, {
+            "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}), lr)
+        moved.append(any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters())))
+    assert moved == [False, True]

@@ -204,8 +204,8 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
         found.update(named_weights_bitwise=not mismatch, named_weights_mismatch=mismatch)
 
     before = {n: t.clone() for n, t in expected.items()}
-    found["metrics"] = engine.train_step(_shard(samples, dp_rank, dp))
-    found["reference_metrics"] = reference.train_step(samples)
+    found["metrics"] = engine.train_step(_shard(samples, dp_rank, dp), job.train.lr)
+    found["reference_metrics"] = reference.train_step(samples, job.train.lr)
     trained = dict(engine.named_weights())
     if rank == ROLE_RANKS[0]:
         after = dict(reference.named_weights())

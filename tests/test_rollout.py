@@ -137,6 +137,7 @@ def reference_synchronous_run(config, steps: int) -> list[float]:
     """The synchronous pipeline written out plainly in one process: generate, score, logprobs,
     advantages, train, copy the weights. Returns reward_mean per step and the final digest."""
     from hpcrl.engines.hf_model import build_model
+    from hpcrl.engines.lr_schedule import learning_rate
     from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
     from hpcrl.engines.torch_trainer import Samples, TorchTrainer
     from hpcrl.rewards import score_responses
@@ -163,7 +164,8 @@ def reference_synchronous_run(config, steps: int) -> list[float]:
         advantages = token_advantages(config.algorithm, rewards, [i // size for i in range(len(rewards))],
                                       [len(x) for x in responses], old, reference)
         actor.train_step(Samples(prompt_ids, responses, {"old_logprobs": old, "ref_logprobs": reference,
-                                                        "advantages": advantages}))
+                                                        "advantages": advantages}),
+                          learning_rate(config.train, step))
         rollout.load_weights(list(actor.named_weights()))
         rewards_per_step.append(fmean(rewards))
     return rewards_per_step, weights_digest(actor.named_weights())

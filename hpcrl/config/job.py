@@ -1,7 +1,7 @@
 """The job schema: one YAML describes a whole RL experiment, independent of the machine it runs on."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -101,6 +101,11 @@ class TrainConfig(Schema):
     ppo_epochs: PositiveInt = 1
     minibatches: PositiveInt = Field(1, description="optimizer steps per epoch over the rollout batch")
     lr: PositiveFloat = 1e-3
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="per RL step, after the warmup: keep lr, or decay it to lr * min_lr_ratio at the "
+                                "last step")
+    lr_warmup_steps: NonNegativeInt = Field(0, description="RL steps over which lr rises linearly from lr/warmup")
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.0, description="where cosine and linear decay end")
     weight_decay: NonNegativeFloat = 0.0
     grad_clip: PositiveFloat | None = 1.0
 

@@ -24,8 +24,9 @@ class TrainingEngine(Protocol):
     def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """Per-token log-probabilities of each response under the current weights."""
 
-    def train_step(self, samples: "Samples") -> dict[str, float]:
-        """The PPO epochs and minibatch updates over this rank's shard; returns metrics."""
+    def train_step(self, samples: "Samples", lr: float) -> dict[str, float]:
+        """The PPO epochs and minibatch updates over this rank's shard at learning rate `lr`
+        (`lr_schedule.learning_rate` of the step); returns metrics."""
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) tensors under HF names, for the weight sync. Collective over the

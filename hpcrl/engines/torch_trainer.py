@@ -18,6 +18,7 @@ from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.algos import aggregate_loss, gspo_loss, kl_penalty, ppo_clip_loss
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import pack, response_logprobs, right_pad
+from hpcrl.engines.lr_schedule import set_learning_rate
 
 
 @dataclass
@@ -115,9 +116,10 @@ class TorchTrainer:
             dist.all_reduce(count, group=self.dp_group)
         return float(count.item())
 
-    def train_step(self, samples: Samples) -> dict[str, float]:
-        """`ppo_epochs` passes over the shard, each in `minibatches` optimizer steps."""
+    def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
+        """`ppo_epochs` passes over the shard, each in `minibatches` optimizer steps at rate `lr`."""
         algo, train = self.job.algorithm, self.job.train
+        set_learning_rate(self.optimizer, lr)
         batch = self._to_device(pack(samples.prompt_ids, samples.response_ids, self.pad_id))
         token = self._to_device({k: right_pad(v, 0.0, torch.float32) for k, v in samples.columns.items()})
         width = batch["response_ids"].shape[1]

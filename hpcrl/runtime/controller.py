@@ -18,6 +18,7 @@ from typing import Any
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
+from hpcrl.engines.lr_schedule import learning_rate
 from hpcrl.metrics import StepRecorder
 from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
@@ -135,7 +136,8 @@ class Controller:
         train_batch = {k: batch[k] for k in train_keys if k in batch}
         if stats["staleness_max"] > 0:
             train_batch.update(off_policy_columns(self.job.rollout, batch["old_logprobs"], batch["behaviour_logprobs"]))
-        call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch)
+        lr = learning_rate(self.job.train, step)
+        call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch, lr)
         gap = max(abs(a - b) for old, beh in zip(batch["old_logprobs"], batch["behaviour_logprobs"])
                   for a, b in zip(old, beh))
         rewards = batch["rewards"]
@@ -149,6 +151,7 @@ class Controller:
             # With fresh samples rollout and trainer hold the same weights: their log-probs must agree.
             "rollout_logprob_gap_max": gap,
             "samples": float(len(rewards)),
+            "lr": lr,
             **stats,
         }
         return call, metrics

@@ -61,10 +61,10 @@ class ActorTrain:
     def logprobs(self, batch: Batch) -> Batch:
         return {"old_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
 
-    def train_step(self, batch: Batch) -> Batch:
+    def train_step(self, batch: Batch, lr: float) -> Batch:
         columns = {k: batch[k] for k in ("old_logprobs", "ref_logprobs", "advantages", "importance_weights")
                    if k in batch}
-        metrics = self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns))
+        metrics = self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns), lr)
         return {"metrics": [metrics]}
 
     def send_weights(self) -> int:

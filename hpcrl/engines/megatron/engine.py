@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
+from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
 from hpcrl.engines.megatron.model import build_gpt_model
 from hpcrl.engines.megatron.objective import policy_objective
@@ -139,9 +140,10 @@ class MegatronTrainer:
                        tokens=float(mask.sum()))
         return loss, mask.sum().int(), metrics
 
-    def train_step(self, samples: Samples) -> dict[str, float]:
-        """`ppo_epochs` passes over this DP shard, each in `minibatches` optimizer steps."""
+    def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
+        """`ppo_epochs` passes over this DP shard, each in `minibatches` optimizer steps at rate `lr`."""
         train = self.job.train
+        set_learning_rate(self.optimizer, lr)
         batch = pack(samples.prompt_ids, samples.response_ids, self.pad_id, samples.columns)
         n = batch["tokens"].shape[0]
         if n % train.minibatches:

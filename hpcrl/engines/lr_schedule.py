@@ -1,0 +1,28 @@
+"""The learning rate of each RL step (`train.lr_schedule`), and setting it on any engine's optimizer.
+
+The rate is a pure function of the step, so a resumed run continues the schedule exactly without
+saving a scheduler state; the controller computes it and every engine applies it the same way.
+"""
+from __future__ import annotations
+
+import math
+
+from hpcrl.config.job import TrainConfig
+
+
+def learning_rate(train: TrainConfig, step: int) -> float:
+    """The rate for RL step `step` (1-based): a linear warmup over `lr_warmup_steps`, then `lr_schedule`
+    from `lr` down to `lr * min_lr_ratio` at `train.steps` (verl's and Megatron's shapes)."""
+    if step <= train.lr_warmup_steps:
+        return train.lr * step / train.lr_warmup_steps
+    if train.lr_schedule == "constant":
+        return train.lr
+    progress = min(1.0, (step - train.lr_warmup_steps) / max(1, train.steps - train.lr_warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
+    return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * shape)
+
+
+def set_learning_rate(optimizer, lr: float) -> None:
+    """Every param group of a torch, DeepSpeed or Megatron optimizer (their schedulers do the same)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
