@@ -190,7 +190,7 @@ def test_stale_samples_are_corrected_as_rollout_is_correction_says():
     # ppo: the loss's ratio is taken against the policy that sampled; no separate weight.
     assert off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour) == {"old_logprobs": behaviour}
     # tis: the ratio stays against the recomputed policy; each token gets min(pi_old / pi_behaviour, cap).
-    weights = off_policy_columns(job("rollout.is_cap=5").rollout, old, behaviour)
+    weights = off_policy_columns(job("rollout.is_correction=tis", "rollout.is_cap=5").rollout, old, behaviour)
     assert list(weights) == ["importance_weights"]
     assert [len(row) for row in weights["importance_weights"]] == [2, 1]
     assert weights["importance_weights"][0] == pytest.approx([math.exp(0.1), math.exp(-1.5)])
