@@ -8,7 +8,7 @@ a single seed, or a 10-step window, says little about a difference of a few hund
 
     .venv/bin/python bench/async_vs_sync.py [--steps 700] [--seeds 1 2 3 4] [--set KEY=VALUE ...]
 
-Eight runs of about 2.5 minutes each on a 2-core machine: about 20 minutes.
+Eight runs of 2 to 2.5 minutes each on a 2-core machine: about 17 minutes.
 """
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def test_the_learning_rate_follows_train_lr_schedule():
     from hpcrl.engines.lr_schedule import learning_rate
 
     def rates(*overrides: str) -> list[float]:
-        train = load_job(REPO / "jobs" / "tiny_grpo.yaml", ["train.steps=10", "train.lr=1.0", *overrides]).train
+        base = ["train.steps=10", "train.lr=1.0", "train.min_lr_ratio=0"]
+        train = load_job(REPO / "jobs" / "tiny_grpo.yaml", [*base, *overrides]).train
         return [learning_rate(train, step) for step in range(1, 11)]
 
     assert rates("train.lr_schedule=constant") == [1.0] * 10
