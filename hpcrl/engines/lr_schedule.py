@@ -6,8 +6,15 @@ saving a scheduler state; the controller computes it and every engine applies it
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from hpcrl.config.job import TrainConfig
+
+
+class HasParamGroups(Protocol):
+    """What torch, DeepSpeed and Megatron optimizers share: a list of param-group dicts."""
+
+    param_groups: list[dict]
 
 
 def learning_rate(train: TrainConfig, step: int) -> float:
@@ -22,7 +29,7 @@ def learning_rate(train: TrainConfig, step: int) -> float:
     return train.lr * (train.min_lr_ratio + (1 - train.min_lr_ratio) * shape)
 
 
-def set_learning_rate(optimizer, lr: float) -> None:
+def set_learning_rate(optimizer: HasParamGroups, lr: float) -> None:
     """Every param group of a torch, DeepSpeed or Megatron optimizer (their schedulers do the same)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
