@@ -61,20 +61,27 @@ def test_temperature_scales_the_logprobs():
     assert torch.allclose(cold, torch.log_softmax(logits / 0.5, -1)[:, 0])
 
 
-def test_every_loss_aggregation_trains():
+def one_train_step(job, lr: float) -> tuple[dict[str, float], bool]:
+    """One train_step of a fresh torch trainer on four responses with advantage 1: its metrics, and
+    whether any weight moved."""
     from hpcrl.engines.torch_trainer import Samples, TorchTrainer
 
-    _, tokenizer, _ = tiny()
+    tokenizer = CharTokenizer()
+    trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
+    prompts, responses = [tokenizer.encode("1+2=")] * 4, [[6, 2], [5], [7, 2], [4, 4, 2]]
+    old = trainer.logprobs(prompts, responses)
+    before = [p.clone() for p in trainer.module.parameters()]
+    metrics = trainer.train_step(Samples(prompts, responses, {
+        "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}), lr)
+    return metrics, any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters()))
+
+
+def test_every_loss_aggregation_trains():
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
         job = load_job(REPO / "jobs" / "tiny_grpo.yaml", [f"algorithm.loss_agg={mode}"])
-        trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
-        prompts, responses = [tokenizer.encode("1+2=")] * 4, [[6, 2], [5], [7, 2], [4, 4, 2]]
-        old = trainer.logprobs(prompts, responses)
-        before = [p.clone() for p in trainer.module.parameters()]
-        metrics = trainer.train_step(Samples(prompts, responses, {
-            "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}), job.train.lr)
+        metrics, moved = one_train_step(job, job.train.lr)
         assert torch.isfinite(torch.tensor(metrics["loss"]))
-        assert any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters())), mode
+        assert moved, mode
 
 
 def test_the_learning_rate_follows_train_lr_schedule():
@@ -96,16 +103,5 @@ def test_the_learning_rate_follows_train_lr_schedule():
 
 
 def test_train_step_trains_at_the_rate_it_is_given():
-    from hpcrl.engines.torch_trainer import Samples, TorchTrainer
-
-    job, tokenizer, _ = tiny()
-    prompts, responses = [tokenizer.encode("1+2=")] * 2, [[6, 2], [5]]
-    moved = []
-    for lr in (0.0, 1e-3):
-        trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
-        old = trainer.logprobs(prompts, responses)
-        before = [p.clone() for p in trainer.module.parameters()]
-        trainer.train_step(Samples(prompts, responses, {
-            "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}), lr)
-        moved.append(any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters())))
-    assert moved == [False, True]
+    job, _, _ = tiny()
+    assert [one_train_step(job, lr)[1] for lr in (0.0, 1e-3)] == [False, True]
