@@ -8,7 +8,6 @@ import torch
 from hpcrl.algos import (
     advantage_estimator,
     aggregate_loss,
-    broadcast_sequence_advantages,
     discounted_returns,
     gae_advantages,
     grpo_advantages,
@@ -72,11 +71,6 @@ def test_grpo_eps_guards_equal_rewards():
 def test_rloo_leaves_the_sample_out():
     # group 7: 1 - 0, 0 - 1; group 3: 2 - (4+1)/2, 4 - (2+1)/2, 1 - (2+4)/2; singleton: 0
     close(rloo_advantages(REWARDS, GROUPS), [1.0, -0.5, -1.0, 2.5, 0.0, -2.0])
-
-
-def test_broadcast_sequence_advantages():
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    close(broadcast_sequence_advantages(t([2.0, -1.0]), mask), [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]])
 
 
 def test_discounted_returns_skip_masked_tokens():

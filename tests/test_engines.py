@@ -1,6 +1,7 @@
 """The CPU engines: the KV-cache sampler agrees with the trainer token for token."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO
@@ -10,6 +11,11 @@ from hpcrl.data import CharTokenizer
 from hpcrl.engines.batch import pack, response_logprobs
 from hpcrl.engines.hf_model import build_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams, _filter_logits
+from hpcrl.ragged import Ragged
+
+
+def rows(token_lists) -> Ragged:
+    return Ragged.from_rows(token_lists, np.int32)
 
 
 def tiny():
@@ -28,21 +34,36 @@ def test_same_seed_builds_identical_weights_and_another_seed_does_not():
 
 def test_kv_cache_sampling_logprobs_match_a_full_forward_with_ragged_prompts():
     _, tokenizer, model = tiny()
-    prompts = [tokenizer.encode(t) for t in ("3+4=", "12+345=", "7=")] * 8
+    prompts = rows([tokenizer.encode(t) for t in ("3+4=", "12+345=", "7=")] * 8)
     sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    responses, logprobs = sampler.generate(prompts, SamplingParams(max_new_tokens=5), torch.Generator().manual_seed(0))
-    full, _ = response_logprobs(model, pack(prompts, responses, tokenizer.pad_token_id), temperature=1.0)
-    for i, (response, row) in enumerate(zip(responses, logprobs)):
+    out = sampler.generate(prompts, SamplingParams(max_new_tokens=5), torch.Generator().manual_seed(0))
+    full, _ = response_logprobs(model, pack(prompts, out.response_ids, tokenizer.pad_token_id), temperature=1.0)
+    assert out.finished.all()
+    for i, (response, row) in enumerate(zip(out.response_ids, out.logprobs)):
         assert 1 <= len(response) <= 5
         assert tokenizer.eos_token_id not in response[:-1], "generation stops at the first <eos>"
-        assert torch.allclose(full[i, : len(row)], torch.tensor(row), atol=1e-5)
+        assert torch.allclose(full[i, : len(row)], torch.from_numpy(row), atol=1e-5)
+
+
+def test_a_round_stops_each_row_at_its_budget_and_cuts_unfinished_rows_at_the_deadline():
+    _, tokenizer, model = tiny()
+    sampler = NativeSampler(model, -1, tokenizer.pad_token_id)   # no <eos>: only budgets and deadlines end rows
+    prompts = rows([tokenizer.encode("1+1=")] * 3)
+    out = sampler.generate(prompts, SamplingParams(6), torch.Generator().manual_seed(0), budgets=np.array([2, 0, 5]))
+    assert out.response_ids.lengths.tolist() == [2, 0, 5] and out.finished.tolist() == [True, True, True]
+    slow = NativeSampler(model, -1, tokenizer.pad_token_id, step_delay_s=0.05)
+    import time
+    cut = slow.generate(prompts, SamplingParams(50), torch.Generator().manual_seed(0), deadline=time.monotonic() + 0.2)
+    assert not cut.finished.any() and 1 <= cut.response_ids.lengths.min() < 50
+    assert len(set(cut.response_ids.lengths.tolist())) == 1, "every row of the round got the same steps"
 
 
 def test_sampling_is_reproducible_from_the_generator_seed():
     _, tokenizer, model = tiny()
     sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    prompts = [tokenizer.encode("1+1=")] * 16
-    runs = [sampler.generate(prompts, SamplingParams(4), torch.Generator().manual_seed(s))[0] for s in (5, 5, 6)]
+    prompts = rows([tokenizer.encode("1+1=")] * 16)
+    runs = [sampler.generate(prompts, SamplingParams(4), torch.Generator().manual_seed(s)).response_ids.tolist()
+            for s in (5, 5, 6)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
@@ -68,11 +89,12 @@ def one_train_step(job, lr: float) -> tuple[dict[str, float], bool]:
 
     tokenizer = CharTokenizer()
     trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
-    prompts, responses = [tokenizer.encode("1+2=")] * 4, [[6, 2], [5], [7, 2], [4, 4, 2]]
+    prompts, responses = rows([tokenizer.encode("1+2=")] * 4), rows([[6, 2], [5], [7, 2], [4, 4, 2]])
     old = trainer.logprobs(prompts, responses)
     before = [p.clone() for p in trainer.module.parameters()]
     metrics = trainer.train_step(Samples(prompts, responses, {
-        "old_logprobs": old, "ref_logprobs": old, "advantages": [[1.0] * len(r) for r in responses]}), lr)
+        "old_logprobs": old, "ref_logprobs": old, "advantages": old.with_values(np.ones(len(old.values), np.float32))}),
+        lr)
     return metrics, any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters()))
 
 

@@ -2,6 +2,7 @@
 groups against the compiled plan, the packed batch layout, and the engine registry."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from hpcrl.engines.megatron.config import gpt_model_kwargs, transformer_config_k
 from hpcrl.engines.megatron.groups import role_rank_groups
 from hpcrl.engines.megatron.packing import micro_batch_count, micro_batches, pack
 from hpcrl.placement import compile_plan
+from hpcrl.ragged import Ragged
 
 QWEN = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4, intermediate_size=96,
             vocab_size=32, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -68,7 +70,9 @@ def test_role_groups_are_the_compiled_plans_rank_groups():
 
 
 def test_packed_rows_start_at_column_zero_and_index_the_logits_that_predict_each_response_token():
-    batch = pack([[1, 5], [1, 6, 7, 8]], [[9, 2], [3]], pad_id=0, columns={"advantages": [[0.5, 0.5], [1.0]]})
+    ids, floats = (lambda rows: Ragged.from_rows(rows, np.int32)), (lambda rows: Ragged.from_rows(rows, np.float32))
+    batch = pack(ids([[1, 5], [1, 6, 7, 8]]), ids([[9, 2], [3]]), pad_id=0,
+                 columns={"advantages": floats([[0.5, 0.5], [1.0]])})
     assert batch["tokens"].tolist() == [[1, 5, 9, 2, 0], [1, 6, 7, 8, 3]]
     assert batch["targets"].tolist() == [[5, 9, 2, 0, 0], [6, 7, 8, 3, 0]]
     # response token j of row i is predicted by the logits at len(prompt_i) - 1 + j

@@ -3,8 +3,9 @@
 Rank 0 plays the controller (in no role, like the runtime's rank 0), ranks 1-2 host the Megatron
 role, so the groups are those of a sub-world. One MPI run goes through three layouts — TP=2,
 PP=2 (tied embeddings), DP=2 with the distributed optimizer — and in each compares the engine
-with the HF model and the torch engine on the same weights and data: log-probabilities, the
-weights gathered back to HF names (TP 2 -> 1, PP 2 -> 1), and two PPO optimizer steps.
+with the HF model and the torch engine on the same weights and data: log-probabilities (on the last pipeline stage),
+the weights gathered back to HF names (TP 2 -> 1 on each stage's leader, the stages together), and
+two PPO optimizer steps.
 Run as a script (by the fixture) it is the MPI program; rank 1 writes the findings as JSON.
 """
 from __future__ import annotations
@@ -97,18 +98,20 @@ def _job(arch: str, tied: bool):
 
 
 def _samples(tokenizer, reference, generator):
+    import numpy as np
     import torch
 
     from hpcrl.engines.torch_trainer import Samples
+    from hpcrl.ragged import Ragged
 
-    prompts = [[1] + torch.randint(3, tokenizer.vocab_size, (int(n),), generator=generator).tolist()
-               for n in torch.randint(1, 6, (8,), generator=generator)]
-    responses = [torch.randint(2, tokenizer.vocab_size, (int(n),), generator=generator).tolist()
-                 for n in torch.randint(1, 5, (8,), generator=generator)]
+    prompts = Ragged.from_rows([[1] + torch.randint(3, tokenizer.vocab_size, (int(n),), generator=generator).tolist()
+                                for n in torch.randint(1, 6, (8,), generator=generator)], np.int32)
+    responses = Ragged.from_rows([torch.randint(2, tokenizer.vocab_size, (int(n),), generator=generator).tolist()
+                                  for n in torch.randint(1, 5, (8,), generator=generator)], np.int32)
     old = reference.logprobs(prompts, responses)
-    columns = {"old_logprobs": old,
-               "ref_logprobs": [[v - 0.1 for v in row] for row in old],
-               "advantages": [[float(torch.randn((), generator=generator))] * len(row) for row in old]}
+    advantages = np.repeat(torch.randn(len(old), generator=generator).numpy(), old.lengths)
+    columns = {"old_logprobs": old, "ref_logprobs": old.with_values(old.values - 0.1),
+               "advantages": old.with_values(advantages)}
     return Samples(prompts, responses, columns)
 
 
@@ -116,13 +119,13 @@ def _shard(samples, index: int, parts: int):
     from hpcrl.engines.torch_trainer import Samples
 
     n = len(samples.prompt_ids)
-    cut = slice(n * index // parts, n * (index + 1) // parts)
-    return Samples(samples.prompt_ids[cut], samples.response_ids[cut],
-                   {k: v[cut] for k, v in samples.columns.items()})
+    cut = (n * index // parts, n * (index + 1) // parts)
+    return Samples(samples.prompt_ids.slice(*cut), samples.response_ids.slice(*cut),
+                   {k: v.slice(*cut) for k, v in samples.columns.items()})
 
 
 def _max_diff(a, b) -> float:
-    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
+    return float(abs(a.values - b.values).max()) if len(a.values) else 0.0
 
 
 def _vocab_parallel_check(tp_group) -> float:
@@ -183,12 +186,13 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
     engine = MegatronTrainer(hf, job, tokenizer.pad_token_id, mine)
     dp_rank = engine.pgc.dp.rank()
 
-    found["logprob_max_diff"] = _max_diff(engine.logprobs(samples.prompt_ids, samples.response_ids),
-                                          samples.columns["old_logprobs"])
+    logprobs = engine.logprobs(samples.prompt_ids, samples.response_ids)
+    if logprobs is not None:  # on the last pipeline stage
+        found["logprob_max_diff"] = _max_diff(logprobs, samples.columns["old_logprobs"])
     if name == "tp2":
         found["vocab_parallel_max_diff"] = _vocab_parallel_check(engine.pgc.tp)
     if name == "dp2":  # each rank holds the whole model: compare raw logits too
-        ids = torch.tensor([samples.prompt_ids[0] + samples.response_ids[0]])
+        ids = torch.tensor([samples.prompt_ids[0].tolist() + samples.response_ids[0].tolist()])
         positions = torch.arange(ids.shape[1])[None]
         from hpcrl.engines.megatron.packing import causal_mask
 
@@ -196,20 +200,23 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
             logits = engine.model(ids, positions, causal_mask(ids.shape[1], "cpu"))
             found["logits_max_diff"] = float((logits - hf(input_ids=ids).logits).abs().max())
 
+    # Each pipeline stage's leader gathers its own stage; main() puts the stages of replica 0 together.
     gathered = dict(engine.named_weights())
     expected = dict(reference.named_weights())
-    if rank == ROLE_RANKS[0]:
-        mismatch = sorted(set(gathered) ^ set(expected)) or [
-            n for n in expected if not torch.equal(gathered[n], expected[n])]
-        found.update(named_weights_bitwise=not mismatch, named_weights_mismatch=mismatch)
+    found["expected_names"] = sorted(expected)
+    if gathered and dp_rank == 0:
+        found["named_weights"] = sorted(gathered)
+        found["named_weights_mismatch"] = [n for n in gathered if not torch.equal(gathered[n], expected[n])]
 
     before = {n: t.clone() for n, t in expected.items()}
-    found["metrics"] = engine.train_step(_shard(samples, dp_rank, dp), job.train.lr)
+    metrics = engine.train_step(_shard(samples, dp_rank, dp), job.train.lr)
+    if metrics:  # on the last pipeline stage
+        found["metrics"] = metrics
     found["reference_metrics"] = reference.train_step(samples, job.train.lr)
     trained = dict(engine.named_weights())
-    if rank == ROLE_RANKS[0]:
+    if trained and dp_rank == 0:
         after = dict(reference.named_weights())
-        found["trained_weights_max_diff"] = max(float((trained[n] - after[n]).abs().max()) for n in after)
+        found["trained_weights_max_diff"] = max(float((trained[n] - after[n]).abs().max()) for n in trained)
         found["weights_changed"] = max(float((after[n] - before[n]).abs().max()) for n in after)
 
     if name == "dp2":
@@ -221,6 +228,23 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
         found["reload_bitwise"] = all(torch.equal(a, b) for a, b in zip(tensors, snapshot))
     dist.barrier(group=engine.pgc.intra_dist_opt)
     return found
+
+
+def _merge(per_rank: list[dict]) -> dict:
+    """One layout's findings from every role rank: what a rank alone knows (the last stage's
+    log-probs and metrics, each stage's gathered weights) joined with the first rank's."""
+    merged: dict = {}
+    for found in per_rank:
+        for key, value in found.items():
+            if key in ("named_weights", "named_weights_mismatch"):
+                merged[key] = merged.get(key, []) + value
+            elif key == "trained_weights_max_diff":
+                merged[key] = max(merged.get(key, 0.0), value)
+            else:
+                merged.setdefault(key, value)
+    merged["named_weights_bitwise"] = (sorted(merged["named_weights"]) == merged["expected_names"]
+                                       and not merged["named_weights_mismatch"])
+    return merged
 
 
 def main(out: Path) -> None:
@@ -235,15 +259,17 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     init_torch_distributed("gloo")
     try:
-        findings = {name: _layout(name, *spec, rank=rank) for name, spec in LAYOUTS.items()}
+        mine = {name: _layout(name, *spec, rank=rank) for name, spec in LAYOUTS.items()}
     except BaseException:
         import traceback
 
         traceback.print_exc()
         comm.Abort(1)  # the other ranks would wait in a collective forever
         raise
+    everyone = comm.gather(mine, root=ROLE_RANKS[0])
     if rank == ROLE_RANKS[0]:
-        out.write_text(json.dumps(findings))
+        merged = {name: _merge([r[name] for r in everyone if r[name] is not None]) for name in LAYOUTS}
+        out.write_text(json.dumps(merged))
     dist.barrier()  # rank 0 hosts the rendezvous store: it must outlive the others' group creation
     dist.destroy_process_group()
 

@@ -1,9 +1,9 @@
 """HF <-> Megatron layouts and the weight-sync gather, in one process and over 4 real MPI ranks.
 
 The in-process tests convert tiny HF Qwen2/LLaMA models and shard them by hand; the MPI program
-(this file run under mpiexec by the fixture) gathers TP x PP shards over gloo with small buckets
-— TP 2 -> 1, PP 2 -> 1 and both at once, with two DP replicas gathering side by side — and
-checks every HF tensor bit for bit. (test_megatron_parallel.py does the same from a real
+(this file run under mpiexec by the fixture) gathers TP shards to each pipeline stage's leader over
+gloo with small buckets — TP 2, PP 2 and both at once, with two DP replicas gathering side by side —
+and checks every HF tensor bit for bit. (test_megatron_parallel.py does the same from a real
 megatron-core GPTModel.)
 """
 from __future__ import annotations
@@ -138,13 +138,21 @@ def gathered(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_replica_leader_gathers_every_hf_tensor_bit_for_bit(gathered, layout):
+def test_each_stage_leader_gathers_its_stages_hf_tensors_bit_for_bit(gathered, layout):
     leaders = gathered[layout]
     tp, pp = LAYOUTS[layout]
-    assert len(leaders) == 4 // (tp * pp), "one leader per DP replica"
-    for found in leaders.values():
-        assert found["missing"] == [] and found["extra"] == [] and found["different"] == []
-        assert found["count"] == len(hf_state(SHAPE, **SIZES))
+    assert len(leaders) == 4 // tp, "one leader per pipeline stage of each DP replica"
+    expected = hf_state(SHAPE, **SIZES)
+    for replica in range(4 // (tp * pp)):
+        stages = sorted((f for f in leaders.values() if f["replica"] == replica), key=lambda f: f["stage"])
+        assert [f["stage"] for f in stages] == list(range(pp))
+        names = [n for f in stages for n in f["names"]]
+        assert sorted(names) == sorted(expected), "the stages together hold every tensor once"
+        assert all(f["different"] == [] for f in stages)
+        for f in stages:  # a stage holds its own layers only
+            first = layer_offset(SHAPE.num_layers, pp, f["stage"])
+            layers = {int(n.split(".")[2]) for n in f["names"] if n.startswith("model.layers.")}
+            assert layers == set(range(first, first + SHAPE.num_layers // pp))
 
 
 def _run(out: Path) -> None:
@@ -170,13 +178,13 @@ def _run(out: Path) -> None:
                 if rank in ranks:
                     mine[kind] = group
         tp_rank, pp_rank = dist.get_rank(mine["tp"]), dist.get_rank(mine["pp"])
+        replica = next(group.index(rank) for group in groups["dp"] if rank in group)
         local = list(stage_state(full, SHAPE, tp, tp_rank, pp, pp_rank).items())
-        got = dict(gather_hf(local, SHAPE, mine["tp"], mine["pp"], bucket_bytes=4096))
+        got = dict(gather_hf(local, SHAPE, mine["tp"], pp, pp_rank, bucket_bytes=4096))
         found = None
         if got:
-            found = {"count": len(got), "missing": sorted(expected.keys() - got.keys()),
-                     "extra": sorted(got.keys() - expected.keys()),
-                     "different": [n for n in expected.keys() & got.keys() if not torch.equal(got[n], expected[n])]}
+            found = {"replica": replica, "stage": pp_rank, "names": sorted(got),
+                     "different": [n for n in got if n not in expected or not torch.equal(got[n], expected[n])]}
         everyone = comm.gather(found, root=0)
         results[name] = {str(r): f for r, f in enumerate(everyone or []) if f is not None}
     if rank == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from statistics import fmean
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, hpcrl
@@ -11,8 +12,9 @@ from conftest import REPO, hpcrl
 from hpcrl.config import load_job
 from hpcrl.data import CharTokenizer, ResumableSampler, load_prompts
 from hpcrl.metrics import read_metrics
+from hpcrl.ragged import Ragged
 from hpcrl.rollout.lifecycle import Group, LifecycleError, SampleState
-from hpcrl.rollout.scheduler import RolloutScheduler, StalenessError
+from hpcrl.rollout.scheduler import Round, RolloutScheduler, StalenessError
 
 
 def job(*overrides: str):
@@ -25,41 +27,72 @@ def scheduler(*overrides: str) -> RolloutScheduler:
     return RolloutScheduler(config, ResumableSampler(load_prompts(config), seed=1), CharTokenizer().encode)
 
 
-def finish(s: RolloutScheduler, groups: list[Group], rewards: list[float]) -> None:
-    n = len(rewards)
-    s.finish_round(groups, [[5, 2]] * n, [[-1.0, -0.5]] * n, rewards)
+def finish(s: RolloutScheduler, round_: Round, rewards: list[float]) -> list[Group]:
+    """Every response of the round ends with [5, 2]; the finished groups get `rewards` (in order)."""
+    n = len(round_.samples)
+    done = s.finish_round(round_, Ragged.from_rows([[5, 2]] * n, np.int32),
+                          Ragged.from_rows([[-1.0, -0.5]] * n, np.float32), np.ones(n, dtype=bool))
+    s.rewarded(done, np.array(rewards[:len(done) * 2]))
+    return groups_of(round_)
+
+
+def groups_of(round_: Round) -> list[Group]:
+    return list({id(g): g for g, _ in round_.samples}.values())
 
 
 def test_lifecycle_allows_only_forward_moves():
-    group = Group(0, 1, [1], "7", 2)
-    group.move(SampleState.GENERATING)
+    group = Group(0, 1, np.array([1], np.int32), "7", 2)
+    group.start(0)
     group.move(SampleState.REWARDED)
     group.move(SampleState.CONSUMED)
     with pytest.raises(LifecycleError, match="consumed -> generating"):
         group.move(SampleState.GENERATING)
     with pytest.raises(LifecycleError, match="queued -> rewarded"):
-        Group(1, 1, [1], "7", 2).move(SampleState.REWARDED)
+        Group(1, 1, np.array([1], np.int32), "7", 2).move(SampleState.REWARDED)
 
 
 def test_production_waits_for_weights_within_the_bound():
     s = scheduler("rollout.max_staleness=0")
-    batch, attempt, groups = s.next_round(rollout_version=0)
-    assert (batch, attempt, len(groups)) == (1, 0, 2) and all(g.state is SampleState.GENERATING for g in groups)
+    first = s.next_round(rollout_version=0)
+    groups = groups_of(first)
+    assert (first.batch, first.index, len(groups)) == (1, 0, 2)
+    assert all(g.state is SampleState.GENERATING for g in groups)
     assert s.next_round(rollout_version=0) is None, "batch 1 has all its groups on their way"
-    finish(s, groups, [1.0, 0.0, 0.5, 0.0])
+    finish(s, first, [1.0, 0.0, 0.5, 0.0])
     s.take(1)
     assert s.next_round(rollout_version=0) is None, "with K=0 batch 2 needs the weights of step 1"
-    assert s.next_round(rollout_version=1)[0] == 2
+    assert s.next_round(rollout_version=1).batch == 2
+
+
+def test_a_cut_round_continues_its_unfinished_responses_first_and_keeps_the_oldest_version():
+    s = scheduler("rollout.max_staleness=1", "rollout.max_new_tokens=5")
+    first = s.next_round(rollout_version=0)
+    rows = first.prompts(5)
+    assert rows["budgets"].tolist() == [5] * 4
+    done = s.finish_round(first, Ragged.from_rows([[5, 2], [6], [7, 7], [2]], np.int32),
+                          Ragged.from_rows([[-1.0, -0.5], [-2.0], [-0.1, -0.2], [-0.3]], np.float32),
+                          np.array([True, False, False, True]))
+    assert done == [], "no group has all its responses ended"
+    second = s.next_round(rollout_version=1)
+    assert [(g.group_id, i) for g, i in second.samples] == [(0, 1), (1, 0)], "only the unfinished ones"
+    rows = second.prompts(5)
+    prompt = groups_of(first)[0].prompt_ids.tolist()
+    assert rows["prompt_ids"][0].tolist() == prompt + [6] and rows["budgets"].tolist() == [4, 3]
+    done = s.finish_round(second, Ragged.from_rows([[2], [8, 2]], np.int32),
+                          Ragged.from_rows([[-0.7], [-0.8, -0.9]], np.float32), np.array([True, True]))
+    assert [g.group_id for g in done] == [0, 1]
+    assert done[0].response_ids[1].tolist() == [6, 2] and done[0].behaviour_logprobs[1].tolist() == \
+        pytest.approx([-2.0, -0.7])
+    assert all(g.version == 0 for g in done), "a response begun with version 0 counts as version 0"
 
 
 def test_production_balances_consumption_and_never_redoes_a_taken_batch():
     s = scheduler("rollout.max_staleness=2")
-    _, _, first = s.next_round(0)
-    finish(s, first, [1.0, 0.0, 0.5, 0.0])
+    finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
     assert s.next_round(0) is None, "batch 1 is ready and untaken: rollout waits for training"
     s.take(1)                                   # training on batch 1 (policy 0 -> 1) starts
-    batch, _, second = s.next_round(0)
-    assert batch == 2, "batch 2 is generated with version 0 while step 1 trains"
+    second = s.next_round(0)
+    assert second.batch == 2, "batch 2 is generated with version 0 while step 1 trains"
     finish(s, second, [1.0, 0.0, 0.5, 0.0])
     assert s.next_round(0) is None
     assert s.take(2)[1]["staleness_max"] == 1
@@ -69,13 +102,11 @@ def test_production_balances_consumption_and_never_redoes_a_taken_batch():
 
 def test_take_checks_every_sample_against_the_bound():
     s = scheduler("rollout.max_staleness=1")
-    _, _, first = s.next_round(0)
-    finish(s, first, [1.0, 0.0, 0.5, 0.0])
+    finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
     taken, stats = s.take(1)
     assert [g.state for g in taken] == [SampleState.CONSUMED] * 2 and stats["staleness_max"] == 0
-    _, _, second = s.next_round(0)
-    finish(s, second, [1.0, 0.0, 0.5, 0.0])
-    assert stats["queue_depth"] == 0 and s.buffer()["batch"] == [2] * 4, "batch 2 is waiting"
+    second = finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
+    assert stats["queue_depth"] == 0 and s.buffer()["batch"].tolist() == [2] * 4, "batch 2 is waiting"
     second[0].version = -1  # pretend it was generated two versions before step 2's policy
     with pytest.raises(StalenessError, match="2 versions behind"):
         s.take(2)
@@ -83,12 +114,12 @@ def test_take_checks_every_sample_against_the_bound():
 
 def test_dynamic_sampling_never_trains_on_a_zero_variance_group():
     s = scheduler("algorithm.dynamic_sampling=true")
-    _, _, groups = s.next_round(0)
-    finish(s, groups, [1.0, 1.0, 0.0, 1.0])     # the first group has equal rewards
+    groups = finish(s, s.next_round(0), [1.0, 1.0, 0.0, 1.0])     # the first group has equal rewards
     assert groups[0].state is SampleState.FILTERED and not s.ready(1)
-    _, attempt, refill = s.next_round(0)
-    assert attempt == 1 and len(refill) == 2, "a refill round is a full round from the queue"
-    finish(s, refill, [0.0, 0.5, 1.0, 0.0])
+    again = s.next_round(0)
+    refill = groups_of(again)
+    assert again.index == 1 and s.attempts[1] == 2 and len(refill) == 2, "a refill round is a full round"
+    finish(s, again, [0.0, 0.5, 1.0, 0.0])
     assert refill[1].state is SampleState.ABORTED, "the batch was full without it"
     taken, _ = s.take(1)
     assert [g.group_id for g in taken] == [groups[1].group_id, refill[0].group_id]
@@ -98,21 +129,32 @@ def test_dynamic_sampling_never_trains_on_a_zero_variance_group():
 def test_dynamic_sampling_gives_up_with_a_clear_error():
     s = scheduler("algorithm.dynamic_sampling=true", "rollout.max_refills=1")
     for _ in range(2):
-        _, _, groups = s.next_round(0)
-        finish(s, groups, [1.0] * (2 * len(groups)))
+        finish(s, s.next_round(0), [1.0] * 4)
     with pytest.raises(RuntimeError, match="rollout.max_refills"):
         s.next_round(0)
 
 
 def test_the_buffer_round_trips_through_a_checkpoint():
-    s = scheduler("rollout.max_staleness=1")
-    _, _, groups = s.next_round(0)
-    finish(s, groups, [1.0, 0.0, 0.5, 0.0])
-    restored = scheduler("rollout.max_staleness=1")
-    restored.restore(0, s.buffer(), s.next_group_id, dict(s.attempts))
-    assert restored.ready(1)
-    assert [(g.rewards, g.response_ids, g.answer) for g in restored.take(1)[0]] == \
-        [(g.rewards, g.response_ids, g.answer) for g in groups]
+    s = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false")
+    groups = finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
+    s.take(1)
+    cut = s.next_round(0)    # batch 2: one response cut by the deadline, still running at the save
+    s.finish_round(cut, Ragged.from_rows([[5, 2], [6], [7, 2], [2]], np.int32),
+                   Ragged.from_rows([[-1.0, -0.5], [-2.0], [-0.1, -0.2], [-0.3]], np.float32),
+                   np.array([True, False, True, True]))
+    s.rewarded([groups_of(cut)[1]], np.array([0.5, 0.0]))
+    restored = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false")
+    restored.restore(1, s.buffer(), s.next_group_id, dict(s.attempts), dict(s.rounds))
+
+    def state(g: Group):
+        return (g.group_id, g.state, g.version, g.answer, g.prompt_ids.tolist(), [r.tolist() for r in g.response_ids],
+                [lp.tolist() for lp in g.behaviour_logprobs], g.finished.tolist(),
+                None if g.rewards is None else g.rewards.tolist())
+
+    assert [state(g) for g in restored.groups.values()] == [state(g) for g in s.groups.values()]
+    assert restored.rounds == s.rounds and restored.next_group_id == s.next_group_id
+    assert [(g.group_id, i) for g, i in restored.next_round(1).samples] == [(2, 1)], "the cut response goes on"
+    assert groups[0].state is SampleState.CONSUMED
 
 
 FAST = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "log.tensorboard=false"]
@@ -156,13 +198,12 @@ def reference_synchronous_run(config, steps: int) -> list[float]:
     size, rewards_per_step = config.algorithm.group_size, []
     for step in range(1, steps + 1):
         prompts = sampler.next_batch(config.train.prompts_per_step)
-        prompt_ids = [tok.encode(p.text) for p in prompts for _ in range(size)]
+        prompt_ids = Ragged.from_rows([tok.encode(p.text) for p in prompts for _ in range(size)], np.int32)
         answers = [p.answer for p in prompts for _ in range(size)]
-        responses, _ = rollout.generate(prompt_ids, params, sample_generator(config.seed, step, 0))
+        responses = rollout.generate(prompt_ids, params, sample_generator(config.seed, step, 0)).response_ids
         rewards = score_responses(tok, responses, answers)
         old, reference = actor.logprobs(prompt_ids, responses), ref.logprobs(prompt_ids, responses)
-        advantages = token_advantages(config.algorithm, rewards, [i // size for i in range(len(rewards))],
-                                      [len(x) for x in responses], old, reference)
+        advantages = token_advantages(config.algorithm, rewards, np.arange(len(rewards)) // size, old, reference)
         actor.train_step(Samples(prompt_ids, responses, {"old_logprobs": old, "ref_logprobs": reference,
                                                         "advantages": advantages}),
                           learning_rate(config.train, step))
@@ -186,12 +227,13 @@ def test_k0_reproduces_the_synchronous_pipeline_exactly(tmp_path):
 
 def test_stale_samples_are_corrected_as_rollout_is_correction_says():
     from hpcrl.runtime.off_policy import off_policy_columns
-    old, behaviour = [[-0.1, -2.0], [-1.0]], [[-0.2, -0.5], [-4.0]]
+    old = Ragged.from_rows([[-0.1, -2.0], [-1.0]], np.float32)
+    behaviour = Ragged.from_rows([[-0.2, -0.5], [-4.0]], np.float32)
     # ppo: the loss's ratio is taken against the policy that sampled; no separate weight.
     assert off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour) == {"old_logprobs": behaviour}
     # tis: the ratio stays against the recomputed policy; each token gets min(pi_old / pi_behaviour, cap).
     weights = off_policy_columns(job("rollout.is_correction=tis", "rollout.is_cap=5").rollout, old, behaviour)
     assert list(weights) == ["importance_weights"]
-    assert [len(row) for row in weights["importance_weights"]] == [2, 1]
-    assert weights["importance_weights"][0] == pytest.approx([math.exp(0.1), math.exp(-1.5)])
-    assert weights["importance_weights"][1] == pytest.approx([5.0])
+    assert weights["importance_weights"].lengths.tolist() == [2, 1]
+    assert weights["importance_weights"][0].tolist() == pytest.approx([math.exp(0.1), math.exp(-1.5)], rel=1e-6)
+    assert weights["importance_weights"][1].tolist() == pytest.approx([5.0])

@@ -76,3 +76,70 @@ def test_the_megatron_engine_trains_inside_the_runtime(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     # the rollout rank samples with the weights gathered from the Megatron shards (HF names)
     assert all(m["rollout_logprob_gap_max"] < 1e-4 for m in metrics)
+
+
+MEGATRON = ["--set", "roles.actor_train.engine=megatron", "--set", "roles.reference.engine=megatron",
+            "--set", "log.check_weights=true", "--set", "checkpoint.every=0"]
+COLOCATED = ["--set", "roles.actor_infer.colocate_with=actor_train", "--set", "roles.actor_infer.parallel.dp=4"]
+LAYOUTS = {  # name -> (overrides, trainer replicas, rollout ranks that load weights)
+    "tp2-dp2-colocated": (["--set", "roles.actor_train.parallel.tp=2", *COLOCATED], 2, 4),
+    "tp2-pp2-colocated": (["--set", "roles.actor_train.parallel.tp=2", "--set", "roles.actor_train.parallel.pp=2",
+                           "--set", "roles.actor_train.parallel.dp=1", *COLOCATED], 1, 4),
+    "tp2-separate": (["--set", "roles.actor_train.parallel.tp=2", "--set", "roles.actor_train.parallel.dp=1"], 1, 1),
+    "pp2-separate": (["--set", "roles.actor_train.parallel.pp=2", "--set", "roles.actor_train.parallel.dp=1"], 1, 1),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rollout_rank_generates_with_the_weights_of_a_tp_pp_megatron_trainer(tmp_path, layout):
+    """Each pipeline stage's leader sends its own layers; colocated rollout ranks beside TP and PP
+    followers get them too; the digests of every trainer replica and rollout rank agree."""
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    overrides, replicas, loaders = LAYOUTS[layout]
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=3",
+                   *FAST, *MEGATRON, *overrides, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["staleness_max"] == 0
+        # fresh samples: the rollout ranks' log-probs are the trainer's, token for token
+        assert m["rollout_logprob_gap_max"] < 1e-5, m["rollout_logprob_gap_max"]
+        assert len(m["digest_actor_train"]) == replicas and len(m["digest_actor_infer"]) == loaders
+        assert set(m["digest_actor_infer"]) == set(m["digest_actor_train"]), "every rank holds the trained weights"
+    assert len({m["digest_actor_train"][0] for m in metrics}) == 3, "the weights change every step"
+
+
+def test_a_round_longer_than_the_sync_timeout_does_not_stall_the_sync_or_the_trainer(tmp_path):
+    """With a slow sampler every generation round lasts longer than the sync group's timeout, and a
+    train step takes about a second (40 PPO epochs). The sync starts only between rounds, so no
+    collective waits for a round; the trainer stages its weights and trains the next batch while
+    rollout generates, so a step takes a round, not a round plus a train step."""
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=5",
+                   "--set", "rollout.max_staleness=1", "--set", "rollout.sync_timeout_s=1",
+                   "--set", "train.ppo_epochs=40", *FAST, env={"HPCRL_INJECT_DECODE_DELAY_S": "0.6"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert all(m["time_rollout_s"] > 1.5 for m in metrics), "each round (3 tokens x 0.6 s) outlasts the 1 s timeout"
+    assert max(m["staleness_max"] for m in metrics) == 1, "rollout generated while the trainer trained"
+    for m in metrics[1:-1]:  # step 1 waits for the first batch; after step 5 there is no round to overlap
+        assert m["time_sync_s"] < 0.5 and m["time_stage_s"] < 0.5, "neither side of the sync waited for the other"
+        # Serially the trainer would idle for a whole round per step; here only for what the round lasts
+        # longer than a train step.
+        assert m["train_idle_frac"] * m["time_step_s"] < 0.6 * m["time_rollout_s"], m
+
+
+def test_rounds_cut_by_max_round_s_continue_their_responses_in_the_next_round(tmp_path):
+    """Partial rollout: a round stops after `rollout.max_round_s`; the unfinished responses keep
+    their tokens and log-probs and go on in the next round, and training still sees fresh samples
+    whose behaviour log-probs are the trainer's."""
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=2",
+                   "--set", "rollout.max_round_s=0.5", *FAST,
+                   env={"HPCRL_INJECT_DECODE_DELAY_S": "0.3"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["rollout_rounds"] >= 2 for m in metrics), "every batch took more than one round"
+    assert any(m["response_len"] > 2 for m in metrics), "responses grew past what one round could give"
+    assert all(m["rollout_logprob_gap_max"] < 1e-4 for m in metrics)

@@ -7,7 +7,6 @@ Shapes: N samples (responses), T response tokens; [N, T] tensors come with a res
 from hpcrl.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     advantage_estimator,
-    broadcast_sequence_advantages,
     discounted_returns,
     gae_advantages,
     grpo_advantages,
@@ -29,7 +28,6 @@ __all__ = [
     "GroupStats",
     "advantage_estimator",
     "aggregate_loss",
-    "broadcast_sequence_advantages",
     "discounted_returns",
     "gae_advantages",
     "group_stats",

@@ -44,12 +44,6 @@ def rloo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
     return stats.deviation * stats.count / (stats.count - 1).clamp(min=1)
 
 
-def broadcast_sequence_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:
-    """Place each sequence's advantage [N] on every valid token of its response -> [N, T]."""
-    per_token = advantages.unsqueeze(-1).expand(response_mask.shape)
-    return torch.where(response_mask.bool(), per_token, torch.zeros_like(per_token))
-
-
 def _reverse_discounted_sum(x: Tensor, response_mask: Tensor, factor: float) -> Tensor:
     """``y_t = x_t + factor * y_next`` over valid tokens, right to left; padding gets 0."""
     valid = response_mask.bool()

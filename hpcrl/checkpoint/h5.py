@@ -4,7 +4,8 @@ One self-describing file that h5py, h5dump or pandas can open (no pickle). Ragge
 (token ids, per-token log-probs: a list of variable-length lists) are stored as flat `values`
 plus `offsets` (row i is values[offsets[i]:offsets[i+1]]), as HDF5 has no cheap ragged type.
 Reading back gives equal Python objects: ints stay ints (int64), floats are float64 (exact for
-Python floats), bools stay bools, strings stay strings.
+Python floats), bools stay bools, strings stay strings. Packed columns (a `Ragged`, or a numpy
+array) are stored in their own dtype and read back as such.
 
 Layout::
 
@@ -28,6 +29,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcrl.ragged import Ragged
+
 FORMAT_VERSION = 1
 STATE_FILE = "state.h5"
 _STR = h5py.string_dtype("utf-8")
@@ -35,7 +38,7 @@ _STR = h5py.string_dtype("utf-8")
 
 @dataclass
 class RunState:
-    buffer: dict[str, list] = field(default_factory=dict)
+    buffer: dict[str, list | Ragged | np.ndarray] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
     controller: dict[str, Any] = field(default_factory=dict)
 
@@ -77,8 +80,18 @@ def _read_scalars(dataset: h5py.Dataset) -> list:
     return dataset[()].tolist()
 
 
-def _write_column(group: h5py.Group, index: int, name: str, values: Sequence[Any]) -> None:
+def _write_column(group: h5py.Group, index: int, name: str, values: Sequence[Any] | Ragged | np.ndarray) -> None:
     what = f"buffer column {name!r}"
+    if isinstance(values, (Ragged, np.ndarray)):  # packed columns keep their dtype and come back packed
+        if isinstance(values, Ragged):
+            node = group.create_group(f"c{index}")
+            node.create_dataset("values", data=values.values)
+            node.create_dataset("offsets", data=values.offsets)
+        else:
+            node = group.create_dataset(f"c{index}", data=values)
+        node.attrs["name"] = name
+        node.attrs["kind"] = "packed"
+        return
     rows = [_is_row(v) for v in values]
     if any(rows) and not all(rows):
         raise TypeError(f"{what}: mixes lists and scalars")
@@ -100,7 +113,9 @@ def _write_column(group: h5py.Group, index: int, name: str, values: Sequence[Any
     node.attrs["kind"] = kind
 
 
-def _read_column(node: h5py.Group | h5py.Dataset) -> list:
+def _read_column(node: h5py.Group | h5py.Dataset) -> list | Ragged | np.ndarray:
+    if node.attrs["kind"] == "packed":
+        return Ragged(node["values"][()], node["offsets"][()]) if isinstance(node, h5py.Group) else node[()]
     if node.attrs["kind"] == "ragged":
         values, offsets = node["values"][()].tolist(), node["offsets"][()].tolist()
         return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
@@ -134,7 +149,7 @@ def _read_metrics(group: h5py.Group) -> list[dict[str, Any]]:
     return rows
 
 
-def save_run_state(path: str | os.PathLike, buffer: Mapping[str, Sequence[Any]] | None = None,
+def save_run_state(path: str | os.PathLike, buffer: Mapping[str, Sequence[Any] | Ragged | np.ndarray] | None = None,
                    metrics: Sequence[Mapping[str, Any]] | None = None,
                    controller: Mapping[str, Any] | None = None) -> Path:
     """Write the three parts to one HDF5 file (replacing it). controller must be JSON-able."""

@@ -126,6 +126,13 @@ class RolloutConfig(Schema):
     is_cap: PositiveFloat = Field(10.0, description="bound of the importance weight pi_old/pi_behaviour for tis, mis "
                                   "and seq-tis (tiny job at a constant lr, seed 1: 0.77 with a cap of 2, 0.85 with 10)")
     max_refills: NonNegativeInt = Field(10, description="dynamic sampling: extra generation rounds per batch")
+    sync_timeout_s: PositiveFloat = Field(300.0, description="timeout of one collective of the weight sync: a "
+                                          "sync starts only when rollout is between rounds, so it bounds a hung "
+                                          "peer, not a long round")
+    max_round_s: PositiveFloat | None = Field(None, description="cut a generation round after this many seconds: "
+                                              "unfinished responses keep their tokens and continue in the next "
+                                              "round (partial rollout), so a weight sync never waits longer for "
+                                              "rollout; unset: rounds run to the end")
 
 
 class CheckpointConfig(Schema):

@@ -14,23 +14,28 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from hpcrl.engines.native_sampler import SamplingParams
+    import numpy as np
+
+    from hpcrl.engines.native_sampler import Generation, SamplingParams
     from hpcrl.engines.torch_trainer import Samples
+    from hpcrl.ragged import Ragged
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 class TrainingEngine(Protocol):
-    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        """Per-token log-probabilities of each response under the current weights."""
+    def logprobs(self, prompt_ids: "Ragged", response_ids: "Ragged") -> "Ragged | None":
+        """Per-token log-probabilities of each response under the current weights; on the ranks
+        that hold the result (the last pipeline stage), None on the others."""
 
     def train_step(self, samples: "Samples", lr: float) -> dict[str, float]:
         """The PPO epochs and minibatch updates over this rank's shard at learning rate `lr`
         (`lr_schedule.learning_rate` of the step); returns metrics."""
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors under HF names, for the weight sync. Collective over the
-        engine's model-parallel ranks; meaningful on the sync source only."""
+        """Full (unsharded) tensors under HF names, for the weight sync: on each pipeline stage's
+        TP rank 0 that stage's tensors (every tensor when pp = 1). Collective over the engine's
+        model-parallel (and, for sharded data parallelism, DP) ranks; the others yield nothing."""
 
     def save_state(self, path: Path) -> None:
         """Write model and optimizer state under `path` (collective over the role's ranks)."""
@@ -46,9 +51,10 @@ class TrainingEngine(Protocol):
 
 
 class GenerationEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: "SamplingParams",
-                 generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
-        """Sample one response per prompt; returns token ids and their log-probabilities."""
+    def generate(self, prompts: "Ragged", params: "SamplingParams", generator: torch.Generator,
+                 budgets: "np.ndarray | None" = None, deadline: float | None = None) -> "Generation":
+        """Sample one response per prompt, at most `budgets[i]` tokens (default: the params'),
+        stopping unfinished rows when `time.monotonic()` passes `deadline`."""
 
     def load_weights(self, weights: NamedTensors) -> None:
         """Replace the rollout weights with these HF-named tensors."""

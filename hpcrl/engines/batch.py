@@ -8,44 +8,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpcrl.ragged import Ragged
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row):] = 1
+
+def left_pad(rows: Ragged, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, longest] ids with each row at the right end, and the mask of real tokens."""
+    width = max(1, rows.max_length())
+    ids = torch.from_numpy(rows.padded(width, pad_id, left=True).astype(np.int64))
+    mask = torch.from_numpy(Ragged(np.ones(len(rows.values), np.int64), rows.offsets).padded(width, 0, left=True))
     return ids, mask
 
 
-def right_pad(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), pad, dtype=dtype)
-    for i, row in enumerate(rows):
-        if len(row):
-            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
+def right_pad(rows: Ragged, pad: float, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+    """[N, width] (default: the longest row, at least 1) with each row at the left end."""
+    return torch.from_numpy(rows.padded(width, pad)).to(dtype)
 
 
-def length_mask(lengths: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[N, max length] with 1 on each row's first `lengths[i]` columns: which response tokens are real."""
-    return right_pad([[1] * n for n in lengths], 0, dtype)
+def length_mask(lengths: Sequence[int] | np.ndarray, dtype: torch.dtype = torch.float32,
+                width: int | None = None) -> torch.Tensor:
+    """[N, width] with 1 on each row's first `lengths[i]` columns: which response tokens are real."""
+    lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+    width = max(1, int(lengths.max()) if len(lengths) else 0) if width is None else width
+    return (torch.arange(width)[None] < lengths[:, None]).to(dtype)
+
+
+def unpad(values: torch.Tensor, lengths: np.ndarray) -> Ragged:
+    """The first `lengths[i]` entries of each row of [N, W] values, as float32 rows."""
+    return Ragged.from_padded(values.detach().float().cpu().numpy(), lengths)
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def pack(prompts: Ragged, responses: Ragged, pad_id: int) -> dict[str, torch.Tensor]:
     """Prompt + response ids with masks; `response_mask` marks the tokens that were generated."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     response_ids = right_pad(responses, pad_id, torch.long)
-    response_mask = length_mask([len(r) for r in responses], torch.long)
+    response_mask = length_mask(responses.lengths, torch.long)
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {

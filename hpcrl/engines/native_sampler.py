@@ -5,11 +5,14 @@ sample, the generated token ids and their log-probabilities under the sampling d
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hpcrl.engines.batch import left_pad, positions
+from hpcrl.ragged import Ragged
 
 
 @dataclass(frozen=True)
@@ -34,19 +37,62 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+@dataclass
+class Generation:
+    """One round's output, a row per prompt: the sampled ids, their log-probabilities, and whether
+    the row is finished (stopped at `<eos>` or at its token budget) or was cut by the round's
+    deadline and continues in a later round (partial rollout)."""
+
+    response_ids: Ragged     # int32
+    logprobs: Ragged         # float32
+    finished: np.ndarray     # bool
+
+    @classmethod
+    def empty(cls, rows: int) -> Generation:
+        return cls(Ragged.empty(rows, np.int32), Ragged.empty(rows, np.float32), np.ones(rows, dtype=bool))
+
+
 class NativeSampler:
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int):
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0):
+        """`step_delay_s`: a pause after every decoding step, for tests of long rounds only."""
         self.model = model
         self.eos_id = eos_id
         self.pad_id = pad_id
+        self.step_delay_s = step_delay_s
+        self._landing: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def _params(self, names) -> list[torch.nn.Parameter]:
+        params = dict(self.model.named_parameters())
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise KeyError(f"weight sync: the rollout model has no parameter {missing[0]!r}")
+        return [params[n] for n in names]
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, value in weights:
-                if name not in params:
-                    raise KeyError(f"weight sync: the rollout model has no parameter {name!r}")
-                params[name].copy_(value)
+            for param, (_, value) in zip(self._params([n for n, _ in weights]), weights):
+                param.copy_(value)
+
+    @torch.no_grad()
+    def landing_buffer(self, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> torch.Tensor | None:
+        """One flat tensor that the parameters named in `meta` become views of, so that a weight
+        sync receives straight into the model (no copy, no receive buffer). Made on the first
+        sync, kept for the next ones; None for a model on a GPU (the sync arrives in host memory)."""
+        key = tuple(name for name, _, _ in meta)
+        if key not in self._landing:
+            params = self._params(key)
+            if any(p.device.type != "cpu" or p.dtype != meta[0][2] or tuple(p.shape) != tuple(shape)
+                   for p, (_, shape, _) in zip(params, meta)):
+                return None
+            flat = torch.empty(sum(p.numel() for p in params), dtype=meta[0][2])
+            start = 0
+            for param in params:
+                view = flat[start:start + param.numel()].view(param.shape)
+                view.copy_(param)
+                param.data = view
+                start += param.numel()
+            self._landing[key] = flat
+        return self._landing[key]
 
     def sleep(self) -> None:
         """The native engine keeps no cache between calls: nothing to free."""
@@ -55,19 +101,25 @@ class NativeSampler:
         """See `sleep`."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
-        """Sample a response per prompt; stop each at `<eos>` (kept) or `max_new_tokens`."""
+    def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
+                 budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:
+        """Sample a response per prompt; each stops at `<eos>` (kept), after `budgets[i]` tokens
+        (default `params.max_new_tokens`), or unfinished when `time.monotonic()` passes `deadline`."""
+        batch = len(prompts)
+        if not batch:
+            return Generation.empty(0)
         self.model.eval()
         device = next(self.model.parameters()).device
         input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, self.pad_id))
         position_ids = positions(attention_mask)
+        budget = torch.as_tensor(budgets if budgets is not None else np.full(batch, params.max_new_tokens),
+                                 dtype=torch.long, device=device)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True)
-        batch = len(prompts)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        finished = budget <= 0
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
         tokens, logprobs = [], []
-        for _ in range(params.max_new_tokens):
+        for step in range(int(budget.max())):
             logits = out.logits[:, -1].float() / params.temperature
             full_logp = torch.log_softmax(logits, dim=-1)
             probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1)
@@ -76,27 +128,25 @@ class NativeSampler:
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logprobs.append(full_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-            finished |= token == self.eos_id
-            if bool(finished.all()):
+            lengths += (~finished).long()
+            finished |= (token == self.eos_id) | (step + 1 >= budget)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            if bool(finished.all()) or (deadline is not None and time.monotonic() > deadline):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
             position_ids = position_ids[:, -1:] + 1
             out = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
                              position_ids=position_ids, use_cache=True, **_kv_cache(out))
-        return _trim(torch.stack(tokens, 1).cpu(), torch.stack(logprobs, 1).cpu(), self.eos_id)
+        if not tokens:
+            return Generation.empty(batch)
+        lengths = lengths.cpu().numpy()
+        return Generation(Ragged.from_padded(torch.stack(tokens, 1).cpu().numpy().astype(np.int32), lengths),
+                          Ragged.from_padded(torch.stack(logprobs, 1).float().cpu().numpy(), lengths),
+                          finished.cpu().numpy())
 
 
 def _kv_cache(out) -> dict:
     """The KV cache to pass back: transformers 5.20 renamed `past_key_values` to `cache`, and vLLM
     0.32 (built for our torch) needs transformers < 5.20, so both spellings are served."""
     return {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
-
-
-def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Cut each row after its first `<eos>`."""
-    ids_out, logp_out = [], []
-    for row, row_logp in zip(tokens.tolist(), logprobs.tolist()):
-        length = row.index(eos_id) + 1 if eos_id in row else len(row)
-        ids_out.append(row[:length])
-        logp_out.append(row_logp[:length])
-    return ids_out, logp_out

@@ -3,7 +3,8 @@
 The weight sync ships full tensors under HF names (see engines/base.py), so a Megatron trainer
 sharded by TP and PP must rebuild them: TP shards are concatenated along the dimension each
 parallel linear splits (the fused SwiGLU fc1 holds `[gate_r; up_r]` per shard, so it is
-re-interleaved), PP stages number their layers from 0 and are shifted by the stage's offset, and
+re-interleaved), PP stages number their layers from 0 and are shifted by the stage's offset
+(each stage's leader yields its own layers), and
 Megatron's fused QKV (per query group: that group's query heads, then its key and value head) is
 cut back into q/k/v projections. Conversion follows the mcore <-> HF converters of verl,
 NeMo-RL and ROLL for the local (non-Transformer-Engine) layer spec of Qwen2 and LLaMA.
@@ -264,48 +265,21 @@ def _gather_tp(local: list[Named], group: dist.ProcessGroup | None, bucket_bytes
                 yield name, merge_tp(name, [shards[index] for shards in per_rank])
 
 
-def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup | None,
-              pp_group: dist.ProcessGroup | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Named]:
-    """Full HF-named tensors of a TP x PP sharded model, yielded on TP rank 0 of PP stage 0.
+def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup | None, pp: int, pp_rank: int,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Named]:
+    """One pipeline stage's full HF-named tensors (global layer numbers), yielded on the stage's TP
+    rank 0; every stage at once, none funnelled through another (the weight sync sends each stage
+    from its own leader).
 
-    Collective: every rank of the model-parallel group iterates it to the end (the others yield
-    nothing). TP shards are gathered bucket by bucket to each stage's TP rank 0; later stages send
-    their converted tensors, bucket by bucket, to the first stage. Tensors stay on the device of
-    `local` (NCCL moves device tensors only).
+    Collective: every rank of the TP group iterates it to the end (the others yield nothing). TP
+    shards are gathered bucket by bucket to TP rank 0. Tensors stay on the device of `local` (NCCL
+    moves device tensors only).
     """
-    pp = dist.get_world_size(pp_group) if pp_group is not None else 1
-    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
     offset = layer_offset(shape.num_layers, pp, pp_rank)
     merged = _gather_tp(local, tp_group, bucket_bytes)
     if tp_group is not None and dist.get_rank(tp_group) != 0:
         for _ in merged:
             pass
         return
-    hf = (pair for name, full in merged for pair in mcore_to_hf(renumber(name, offset), full, shape))
-    if pp_rank == 0:
-        yield from hf
-        device = local[0][1].device
-        for stage in range(1, pp):
-            yield from _receive_stage(pp_group, stage, device)
-    else:
-        _send_stage(hf, pp_group, bucket_bytes)
-
-
-def _send_stage(hf: Iterable[Named], pp_group: dist.ProcessGroup, bucket_bytes: int) -> None:
-    """Stream a stage's HF tensors to stage 0: (meta, flat tensor) per bucket, then an empty meta."""
-    for bucket in named_buckets(hf, bucket_bytes):
-        dist.send_object_list([_meta(bucket)], group=pp_group, group_dst=0)
-        dist.send(_flatten_dense_tensors([t.contiguous() for _, t in bucket]), group=pp_group, group_dst=0)
-    dist.send_object_list([[]], group=pp_group, group_dst=0)
-
-
-def _receive_stage(pp_group: dist.ProcessGroup, stage: int, device: torch.device) -> Iterator[Named]:
-    while True:
-        holder: list = [None]
-        dist.recv_object_list(holder, group=pp_group, group_src=stage)
-        bucket: Meta = holder[0]
-        if not bucket:
-            return
-        flat = torch.empty(sum(torch.Size(s).numel() for _, s, _ in bucket), dtype=bucket[0][2], device=device)
-        dist.recv(flat, group=pp_group, group_src=stage)
-        yield from zip([n for n, _, _ in bucket], _unflatten(flat, bucket))
+    for name, full in merged:
+        yield from mcore_to_hf(renumber(name, offset), full, shape)

@@ -17,17 +17,18 @@ from torch.nn.parallel import DistributedDataParallel
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.algos import aggregate_loss, gspo_loss, kl_penalty, ppo_clip_loss
 from hpcrl.config.job import JobConfig
-from hpcrl.engines.batch import pack, response_logprobs, right_pad
+from hpcrl.engines.batch import pack, response_logprobs, right_pad, unpad
 from hpcrl.engines.lr_schedule import set_learning_rate
+from hpcrl.ragged import Ragged
 
 
 @dataclass
 class Samples:
-    """A DP shard of the rollout batch, as it arrives over MPI: plain lists, one entry per sample."""
+    """A DP shard of the rollout batch, as it arrives over MPI: packed rows, one per sample."""
 
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    columns: dict[str, list[list[float]]]  # per-token values: old_logprobs, ref_logprobs, advantages, ...
+    prompt_ids: Ragged
+    response_ids: Ragged
+    columns: dict[str, Ragged]  # per response token: old_logprobs, ref_logprobs, advantages, ...
 
 
 def _fully_shard(model: torch.nn.Module, dp_group: dist.ProcessGroup, device: torch.device) -> None:
@@ -100,11 +101,11 @@ class TorchTrainer:
                         state[key] = value.to(device)
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
         """Per-token log-probabilities of the responses under the current weights."""
         batch = self._to_device(pack(prompt_ids, response_ids, self.pad_id))
         logp, _ = response_logprobs(self.module, batch, self.job.rollout.temperature)
-        return [row[: len(r)] for row, r in zip(logp.cpu().tolist(), response_ids)]
+        return unpad(logp, response_ids.lengths)
 
     def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in tensors.items()}
@@ -121,10 +122,8 @@ class TorchTrainer:
         algo, train = self.job.algorithm, self.job.train
         set_learning_rate(self.optimizer, lr)
         batch = self._to_device(pack(samples.prompt_ids, samples.response_ids, self.pad_id))
-        token = self._to_device({k: right_pad(v, 0.0, torch.float32) for k, v in samples.columns.items()})
         width = batch["response_ids"].shape[1]
-        token = {k: v[:, :width] if v.shape[1] >= width else torch.nn.functional.pad(v, (0, width - v.shape[1]))
-                 for k, v in token.items()}
+        token = self._to_device({k: right_pad(v, 0.0, torch.float32, width) for k, v in samples.columns.items()})
         n = len(samples.prompt_ids)
         if n % train.minibatches:
             raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")

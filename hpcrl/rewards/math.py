@@ -5,6 +5,10 @@ random policy a little reward and GRPO a gradient to climb before the first exac
 """
 from __future__ import annotations
 
+import numpy as np
+
+from hpcrl.ragged import Ragged
+
 STOP = "\0"
 
 
@@ -18,7 +22,8 @@ def answer_reward(response: str, answer: str, stopped: bool, partial_credit: flo
     return partial_credit * hits / max(len(got), len(want))
 
 
-def score_responses(tokenizer, responses: list[list[int]], answers: list[str]) -> list[float]:
-    """Rewards for a batch of generated token ids (a response stopped if it ends with `<eos>`)."""
-    return [answer_reward(tokenizer.decode(r), a, stopped=bool(r) and r[-1] == tokenizer.eos_token_id)
-            for r, a in zip(responses, answers)]
+def score_responses(tokenizer, responses: Ragged, answers: list[str]) -> np.ndarray:
+    """Rewards (float64) for a batch of generated token ids (a response stopped if it ends with `<eos>`)."""
+    return np.array([answer_reward(tokenizer.decode(r.tolist()), a,
+                                   stopped=len(r) > 0 and int(r[-1]) == tokenizer.eos_token_id)
+                     for r, a in zip(responses, answers)], dtype=np.float64)

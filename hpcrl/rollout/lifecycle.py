@@ -1,17 +1,25 @@
 """The life of a rollout sample: queued -> generating -> rewarded -> (filtered) -> consumed.
 
-Samples move in prompt groups (GRPO compares the responses of one prompt), and every sample
+Samples move in prompt groups (GRPO compares the responses of one prompt), and every group
 records the policy version that generated it, which is what the staleness bound is checked on.
+A generation round may be cut before a response ends (`rollout.max_round_s`): the response keeps
+its tokens and continues in a later round (partial rollout), possibly with newer weights, and the
+group keeps the oldest version that produced any of its tokens. A group is scored once all its
+responses have ended.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
+from hpcrl.ragged import Ragged
+
 
 class SampleState(Enum):
     QUEUED = "queued"
-    GENERATING = "generating"
+    GENERATING = "generating"  # some response has not ended yet
     REWARDED = "rewarded"
     FILTERED = "filtered"      # dynamic sampling dropped its group (all rewards equal)
     CONSUMED = "consumed"      # trained on
@@ -34,20 +42,49 @@ class LifecycleError(RuntimeError):
 
 @dataclass
 class Group:
-    """One prompt and its `group_size` responses, produced for the train step `batch`."""
+    """One prompt and its `size` responses, produced for the train step `batch`."""
 
     group_id: int
     batch: int
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray                      # int32
     answer: str
     size: int
     state: SampleState = SampleState.QUEUED
-    version: int = -1                          # policy version of the weights that generated it
-    response_ids: list[list[int]] = field(default_factory=list)
-    behaviour_logprobs: list[list[float]] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
+    version: int = -1                           # oldest policy version that generated any of its tokens
+    response_ids: list[np.ndarray] = field(default_factory=list)        # per sample, int32
+    behaviour_logprobs: list[np.ndarray] = field(default_factory=list)  # per sample, float32
+    finished: np.ndarray | None = None                                  # per sample: the response has ended
+    rewards: np.ndarray | None = None                                   # per sample, float64, once scored
 
     def move(self, state: SampleState) -> None:
         if state not in ALLOWED[self.state]:
             raise LifecycleError(f"group {self.group_id}: {self.state.value} -> {state.value} is not allowed")
         self.state = state
+
+    def start(self, version: int) -> None:
+        """Queued -> generating with weights of `version`: every response starts empty."""
+        self.move(SampleState.GENERATING)
+        self.version = version
+        self.response_ids = [np.zeros(0, np.int32) for _ in range(self.size)]
+        self.behaviour_logprobs = [np.zeros(0, np.float32) for _ in range(self.size)]
+        self.finished = np.zeros(self.size, dtype=bool)
+
+    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool) -> None:
+        """Append one round's tokens to a response."""
+        self.response_ids[sample] = np.concatenate([self.response_ids[sample], ids])
+        self.behaviour_logprobs[sample] = np.concatenate([self.behaviour_logprobs[sample], logprobs])
+        self.finished[sample] = finished
+
+    @property
+    def done(self) -> bool:
+        """Every response has ended (the group can be scored)."""
+        return self.finished is not None and bool(self.finished.all())
+
+    def unfinished(self) -> list[int]:
+        return [] if self.finished is None else np.flatnonzero(~self.finished).tolist()
+
+    def responses(self) -> Ragged:
+        return Ragged.from_arrays(self.response_ids, np.int32)
+
+    def logprobs(self) -> Ragged:
+        return Ragged.from_arrays(self.behaviour_logprobs, np.float32)

@@ -9,22 +9,43 @@ generation round runs at a time, so a deeper queue would not raise throughput (t
 busy all the time either way); it would only make every sample older. With rollout and training
 overlapping, samples are then one version old, and K bounds what a slow sync or refill may add.
 Dynamic sampling drops groups whose rewards are all equal and refills the batch from the queue.
+A round cut by `rollout.max_round_s` leaves some responses unfinished; the next round continues
+them first (partial rollout), then starts what the batch still misses.
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 from hpcrl.algos import nonzero_variance_groups
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler
+from hpcrl.ragged import Ragged
 from hpcrl.rollout.lifecycle import Group, SampleState
-
-Scorer = Callable[[list[list[int]], list[str]], list[float]]
 
 
 class StalenessError(RuntimeError):
     pass
+
+
+@dataclass
+class Round:
+    """One generation call: which response of which group each row continues (or starts)."""
+
+    batch: int
+    index: int                          # rounds of this batch before it: seeds its sampling
+    version: int                        # the policy version rollout generates with
+    samples: list[tuple[Group, int]]
+
+    def prompts(self, max_new_tokens: int) -> dict[str, Ragged | np.ndarray]:
+        """The call's rows: each prompt followed by its response so far, and the tokens it may add."""
+        prompts = Ragged.from_arrays([g.prompt_ids for g, _ in self.samples], np.int32)
+        partial = Ragged.from_arrays([g.response_ids[i] for g, i in self.samples], np.int32)
+        return {"prompt_ids": Ragged.concat_rows(prompts, partial),
+                "budgets": max_new_tokens - partial.lengths}
 
 
 class RolloutScheduler:
@@ -36,9 +57,11 @@ class RolloutScheduler:
         self.groups_per_batch = job.train.prompts_per_step
         self.group_size = job.algorithm.group_size
         self.groups: dict[int, Group] = {}
-        self.attempts: Counter[int] = Counter()      # batch -> production rounds so far
+        self.attempts: Counter[int] = Counter()      # batch -> rounds that started new groups
+        self.rounds: Counter[int] = Counter()        # batch -> all its rounds (continuations too)
         self.next_group_id = 0
         self.next_batch = 1                          # the batch training takes next
+        self.in_flight: Round | None = None          # one round runs at a time
         self.counts: Counter[str] = Counter()        # lifecycle totals, for the metrics
 
     # -- production ---------------------------------------------------------------------------
@@ -51,22 +74,29 @@ class RolloutScheduler:
         live = (SampleState.QUEUED, SampleState.GENERATING, SampleState.REWARDED)
         return self.groups_per_batch - sum(1 for g in self.groups.values() if g.batch == batch and g.state in live)
 
-    def next_round(self, rollout_version: int) -> tuple[int, int, list[Group]] | None:
-        """The next generation round, (batch, attempt, groups), for the batch training takes next, if
-        it still needs groups and weights of `rollout_version` may produce it; None otherwise."""
+    def next_round(self, rollout_version: int) -> Round | None:
+        """The next generation round for the batch training takes next, if weights of
+        `rollout_version` may produce it and it still needs tokens: the unfinished responses of its
+        groups first, then new groups for what is missing; None otherwise."""
         batch = self.next_batch
-        if not self.may_produce(batch, rollout_version):
+        if self.in_flight is not None or not self.may_produce(batch, rollout_version):
             return None
+        samples = [(g, i) for g in sorted(self.groups.values(), key=lambda g: g.group_id)
+                   if g.batch == batch and g.state is SampleState.GENERATING for i in g.unfinished()]
         missing = self.missing(batch)
-        if missing <= 0:
+        if missing > 0:
+            # A refill round is a full round (as in DAPO): when few groups survive the filter,
+            # asking for just the missing ones would take many small rounds; extras are aborted.
+            count = missing if self.attempts[batch] == 0 else self.groups_per_batch
+            samples += [(g, i) for g in self._new_groups(batch, count, rollout_version) for i in range(g.size)]
+        if not samples:
             return None
-        # A refill round is a full round (as in DAPO): when few groups survive the filter,
-        # asking for just the missing ones would take many small rounds; extras are aborted.
-        count = missing if self.attempts[batch] == 0 else self.groups_per_batch
-        attempt, groups = self._start_round(batch, count, rollout_version)
-        return batch, attempt, groups
+        index = self.rounds[batch]
+        self.rounds[batch] += 1
+        self.in_flight = Round(batch, index, rollout_version, samples)
+        return self.in_flight
 
-    def _start_round(self, batch: int, count: int, version: int) -> tuple[int, list[Group]]:
+    def _new_groups(self, batch: int, count: int, version: int) -> list[Group]:
         attempt = self.attempts[batch]
         if attempt > self.job.rollout.max_refills:
             raise RuntimeError(f"dynamic sampling: batch {batch} still lacks {count} groups with varied rewards "
@@ -75,38 +105,50 @@ class RolloutScheduler:
         self.attempts[batch] += 1
         groups = []
         for prompt in self.sampler.next_batch(count):
-            group = Group(self.next_group_id, batch, self.encode(prompt.text), prompt.answer, self.group_size)
+            group = Group(self.next_group_id, batch, np.asarray(self.encode(prompt.text), dtype=np.int32),
+                          prompt.answer, self.group_size)
             self.next_group_id += 1
-            group.move(SampleState.GENERATING)
-            group.version = version
+            group.start(version)
             self.groups[group.group_id] = group
             groups.append(group)
         self.counts["generated"] += len(groups) * self.group_size
-        return attempt, groups
+        return groups
 
-    def finish_round(self, groups: list[Group], response_ids: list[list[int]], logprobs: list[list[float]],
-                     rewards: list[float]) -> None:
-        """Store a round's responses and rewards; apply dynamic sampling; abort what is not needed."""
+    def finish_round(self, round_: Round, response_ids: Ragged, logprobs: Ragged, finished: np.ndarray) -> list[Group]:
+        """Append a round's tokens to its responses; returns the groups whose responses have now all
+        ended (to be scored), in group order. Groups aborted meanwhile are left out."""
+        if round_ is not self.in_flight:
+            raise RuntimeError(f"round {round_.index} of batch {round_.batch} is not the round in flight")
+        self.in_flight = None
+        touched: dict[int, Group] = {}
+        for row, (group, sample) in enumerate(round_.samples):
+            group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]))
+            touched[group.group_id] = group
+        return [g for _, g in sorted(touched.items()) if g.done and g.state is SampleState.GENERATING]
+
+    def rewarded(self, groups: list[Group], rewards: np.ndarray) -> None:
+        """Store the scores of finished groups; apply dynamic sampling; abort what is not needed."""
         size = self.group_size
         for i, group in enumerate(groups):
-            group.response_ids = response_ids[i * size:(i + 1) * size]
-            group.behaviour_logprobs = logprobs[i * size:(i + 1) * size]
-            group.rewards = rewards[i * size:(i + 1) * size]
+            group.rewards = np.asarray(rewards[i * size:(i + 1) * size], dtype=np.float64)
             group.move(SampleState.REWARDED)
-        if self.job.algorithm.dynamic_sampling:
+        if self.job.algorithm.dynamic_sampling and groups:
             self._filter(groups)
-        batch = groups[0].batch
-        kept = [g for g in self.groups.values() if g.batch == batch and g.state is SampleState.REWARDED]
-        for extra in kept[self.groups_per_batch:]:
-            extra.move(SampleState.ABORTED)
-            self.counts["aborted"] += size
-            del self.groups[extra.group_id]
+        for batch in {g.batch for g in groups}:
+            mine = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+            kept = [g for g in mine if g.state is SampleState.REWARDED]
+            if len(kept) < self.groups_per_batch:
+                continue
+            for extra in kept[self.groups_per_batch:] + [g for g in mine if g.state is SampleState.GENERATING]:
+                extra.move(SampleState.ABORTED)
+                self.counts["aborted"] += size
+                del self.groups[extra.group_id]
 
     def _filter(self, groups: list[Group]) -> None:
         import torch
 
-        rewards = torch.tensor([r for g in groups for r in g.rewards])
-        index = torch.tensor([i for i, g in enumerate(groups) for _ in g.rewards])
+        rewards = torch.from_numpy(np.concatenate([g.rewards for g in groups]))
+        index = torch.arange(len(groups)).repeat_interleave(self.group_size)
         keep = nonzero_variance_groups(rewards, index).view(len(groups), -1)[:, 0].tolist()
         for group, kept in zip(groups, keep):
             if not kept:
@@ -138,38 +180,52 @@ class RolloutScheduler:
         self.counts["consumed"] += sum(staleness.values())
         metrics = {f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())}
         metrics["staleness_max"] = float(max(staleness))
+        metrics["rollout_rounds"] = float(self.rounds[batch])   # more than one: refills, or cut rounds
         metrics["queue_depth"] = float(sum(g.size for g in self.groups.values() if g.state is SampleState.REWARDED))
         return groups, metrics
 
     # -- checkpoints --------------------------------------------------------------------------
-    def buffer(self) -> dict[str, list]:
-        """Rewarded, not yet consumed groups as columns (one row per sample) for the checkpoint."""
-        rows = [(g, i) for g in sorted(self.groups.values(), key=lambda g: g.group_id)
-                if g.state is SampleState.REWARDED for i in range(g.size)]
+    def buffer(self) -> dict[str, list | Ragged | np.ndarray]:
+        """Groups not yet consumed (scored, or with responses still running) as packed columns, one
+        row per response, for the checkpoint."""
+        groups = sorted(self.groups.values(), key=lambda g: g.group_id)
+        rows = [(g, i) for g in groups for i in range(g.size)]
         return {
-            "group_id": [g.group_id for g, _ in rows],
-            "batch": [g.batch for g, _ in rows],
-            "version": [g.version for g, _ in rows],
-            "prompt_ids": [g.prompt_ids for g, _ in rows],
-            "answer": [[ord(c) for c in g.answer] for g, _ in rows],
-            "response_ids": [g.response_ids[i] for g, i in rows],
-            "behaviour_logprobs": [g.behaviour_logprobs[i] for g, i in rows],
-            "rewards": [g.rewards[i] for g, i in rows],
+            "group_id": np.array([g.group_id for g, _ in rows], dtype=np.int64),
+            "batch": np.array([g.batch for g, _ in rows], dtype=np.int64),
+            "version": np.array([g.version for g, _ in rows], dtype=np.int64),
+            "scored": np.array([g.state is SampleState.REWARDED for g, _ in rows], dtype=bool),
+            "prompt_ids": Ragged.from_arrays([g.prompt_ids for g, _ in rows], np.int32),
+            "answer": [g.answer for g, _ in rows],
+            "response_ids": Ragged.from_arrays([g.response_ids[i] for g, i in rows], np.int32),
+            "behaviour_logprobs": Ragged.from_arrays([g.behaviour_logprobs[i] for g, i in rows], np.float32),
+            "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
+            "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
+                                dtype=np.float64),
         }
 
-    def restore(self, step: int, buffer: dict[str, list], next_group_id: int, attempts: dict[int, int]) -> None:
+    def restore(self, step: int, buffer: dict, next_group_id: int, attempts: dict[int, int],
+                rounds: dict[int, int]) -> None:
         """State saved after train step `step`: the buffer and the counters."""
         self.next_batch = step + 1
         self.next_group_id = next_group_id
         self.attempts = Counter(attempts)
+        self.rounds = Counter(rounds)
         for row in range(len(buffer.get("group_id", []))):
             gid = int(buffer["group_id"][row])
             if gid not in self.groups:
-                answer = "".join(chr(c) for c in buffer["answer"][row])
-                group = Group(gid, int(buffer["batch"][row]), list(buffer["prompt_ids"][row]), answer,
-                              self.group_size, SampleState.REWARDED, int(buffer["version"][row]))
+                group = Group(gid, int(buffer["batch"][row]), np.array(buffer["prompt_ids"][row]),
+                              buffer["answer"][row], self.group_size)
+                group.start(int(buffer["version"][row]))
+                group.response_ids, group.behaviour_logprobs = [], []
                 self.groups[gid] = group
             group = self.groups[gid]
-            group.response_ids.append(list(buffer["response_ids"][row]))
-            group.behaviour_logprobs.append(list(buffer["behaviour_logprobs"][row]))
-            group.rewards.append(float(buffer["rewards"][row]))
+            sample = len(group.response_ids)
+            group.response_ids.append(np.array(buffer["response_ids"][row]))
+            group.behaviour_logprobs.append(np.array(buffer["behaviour_logprobs"][row]))
+            group.finished[sample] = bool(buffer["finished"][row])
+            if bool(buffer["scored"][row]):
+                if group.rewards is None:
+                    group.rewards = np.zeros(self.group_size, dtype=np.float64)
+                    group.move(SampleState.REWARDED)
+                group.rewards[sample] = buffer["rewards"][row]

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.cuda.set_device(layout.local_device[rank])
         init_torch_distributed("nccl" if profile.device == "cuda" else "gloo")
-        groups = build_process_groups(layout, rank)
+        groups = build_process_groups(layout, rank, job.rollout.sync_timeout_s)
         tokenizer = load_tokenizer(job.model.path)
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller
@@ -84,13 +84,20 @@ def main(argv: list[str] | None = None) -> int:
 
             peers: dict[str, object] = {}
             device = f"cuda:{layout.local_device[rank]}" if profile.device == "cuda" else "cpu"
+            sync = layout.sync
+            stage = sync.sources.index(rank) if rank in sync.sources else None
+            sources = [(s, None if src == rank else groups.sync[s], src) for s, src in enumerate(sync.sources)
+                       ] if rank in sync.loaders else []
             for name in layout.roles_on(rank):
                 replica = layout.roles[name].replica_of(rank)
-                ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], groups.sync,
-                                  groups.sync_src, peers, device, groups.megatron.get(name), replica[0] == rank,
-                                  tuple(layout.local_device[r] for r in replica))
+                ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], peers, device,
+                                  groups.megatron.get(name), replica[0] == rank,
+                                  tuple(layout.local_device[r] for r in replica),
+                                  sync_stage=stage if name == "actor_train" else None,
+                                  sync_send_group=groups.sync.get(stage) if name == "actor_train" else None,
+                                  sync_sources=sources if name == "actor_infer" else [])
                 peers[name] = ROLE_CLASSES[name](ctx)
-            serve(peers)
+            serve(peers, groups.replica)
             code = 0
         dist.destroy_process_group()
         return code

@@ -2,33 +2,42 @@
 
 An event loop over asynchronous worker calls. Production: generation rounds on the rollout ranks,
 scored as each returns, while training runs (the next round of a batch waits for the scores:
-dynamic sampling decides from them what to refill). Consumption: for step b,
-logprobs (actor and reference) -> advantages -> train, then the weight sync. The rollout
-scheduler decides what may be generated with which weights (the staleness bound); with
-`rollout.max_staleness: 0` this is exactly the synchronous pipeline.
+dynamic sampling decides from them what to refill). Consumption: for step b, logprobs (actor and
+reference) -> advantages -> train, then the trainer stages its weights in host memory and goes on.
+The staged weights are pushed to rollout at its next round boundary, never into a running round,
+so neither side sits in a collective waiting for the other's work. The rollout scheduler decides
+what may be generated with which weights (the staleness bound); with `rollout.max_staleness: 0`
+this is exactly the synchronous pipeline.
+
+Token columns stay packed (`hpcrl.ragged`) from the rollout's reply to the train call: the
+controller never loops over tokens in Python.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean, pstdev
 from typing import Any
+
+import numpy as np
 
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
 from hpcrl.engines.lr_schedule import learning_rate
 from hpcrl.metrics import StepRecorder
+from hpcrl.ragged import Ragged
 from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
-from hpcrl.rollout.scheduler import RolloutScheduler
+from hpcrl.rollout.scheduler import Round, RolloutScheduler
 from hpcrl.runtime.advantages import mean_kl, token_advantages
 from hpcrl.runtime.checkpointing import Checkpointer
-from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, run, wait, wait_any
+from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, busy, run, wait, wait_any
 from hpcrl.runtime.layout import WorldLayout
-from hpcrl.runtime.messages import SHUTDOWN
+from hpcrl.runtime.messages import SHUTDOWN, TAG_SYNC
 from hpcrl.runtime.off_policy import off_policy_columns
+from hpcrl.runtime.weight_sync import combine_digests
 
 
 class Busy:
@@ -57,24 +66,46 @@ class Busy:
         return total
 
 
+@dataclass
+class _InFlight:
+    """A call the loop waits for, with what it needs when the call returns."""
+
+    pending: Any          # a Pending, or _Both
+    started: float
+    version: int = -1     # stage/push: the policy version; train: the step
+    round: Round | None = None
+    metrics: dict[str, Any] | None = None
+
+
 class Controller:
     def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path, preemption: PreemptionSignal):
         self.job = job
         self.tokenizer = tokenizer
         self.run_dir = run_dir
-        self.groups = {name: WorkerGroup(name, role.ranks, role.dp_groups) for name, role in layout.roles.items()}
+        self.groups = {name: WorkerGroup.of(role) for name, role in layout.roles.items()}
         workers = sorted({rank for role in layout.roles.values() for rank in role.ranks})
-        self.everyone = WorkerGroup("*", workers, [workers])
+        self.everyone = WorkerGroup("*", workers)
+        sync = layout.sync
+        # Stage leaders with loaders to send to run a weight server thread (calls on TAG_SYNC).
+        self.servers = WorkerGroup("actor_train", [src for stage, src in enumerate(sync.sources)
+                                                   if len(sync.members(stage)) > 1], tag=TAG_SYNC)
+        self.loaders = WorkerGroup("actor_infer", sync.loaders)
+        self.replica_leaders = {name: [role.stage_leaders(d) for d in range(role.dp_size)]
+                                for name, role in layout.roles.items()}
         self.sampler = ResumableSampler(load_prompts(job), seed=job.seed)
         self.scheduler = RolloutScheduler(job, self.sampler, tokenizer.encode)
         self.preemption = preemption
         self.checkpointer = Checkpointer(job, layout, run_dir, self.everyone)
         self.step = 0                 # train steps done = the policy version the trainer holds
-        self.rollout_version = 0      # the version of the last weights sent to rollout (calls are FIFO)
+        self.staged_version = -1      # the version the trainer last staged for rollout
+        self.rollout_version = -1     # the version rollout generates with (calls are FIFO per rank)
         self.history: list[dict[str, float]] = []
-        self.round: tuple[Pending, int, list[Group], float] | None = None   # in-flight generation
-        self.sync: _Both | None = None
-        self.sync_started = 0.0
+        self.round: _InFlight | None = None      # generation
+        self.training: _InFlight | None = None   # logprobs are done; the train call is in flight
+        self.staging: _InFlight | None = None
+        self.pushing: _InFlight | None = None
+        self.train_digest: str | None = None     # of the staged weights, when digests were asked for
+        self.digests: dict[str, list[str]] = {}  # the last compared digests, for the metrics
         self.rollout_busy, self.train_busy = Busy(), Busy()
         self.times: dict[str, float] = {}
 
@@ -83,133 +114,188 @@ class Controller:
         found = self.scheduler.next_round(self.rollout_version)
         if found is None:
             return
-        batch, attempt, groups = found
-        prompts = [g.prompt_ids for g in groups for _ in range(g.size)]
-        pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT, {"prompt_ids": prompts}, batch, attempt)
-        self.round = (pending, batch, groups, time.perf_counter())
+        pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
+                                                  found.prompts(self.job.rollout.max_new_tokens), found.batch,
+                                                  found.index)
+        self.round = _InFlight(pending, time.perf_counter(), round=found)
         self.rollout_busy.start()
 
     def _finish_round(self) -> None:
-        pending, batch, groups, started = self.round
-        self.round = None
+        flight, self.round = self.round, None
         self.rollout_busy.stop()
-        result = pending.value()
-        self._add_time("rollout", time.perf_counter() - started)
+        result = flight.pending.value()
+        self._add_time("rollout", time.perf_counter() - flight.started)
         started = time.perf_counter()
+        done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
+                                           result["finished"])
+        if done:
+            self.scheduler.rewarded(done, self._score(done))
+        self._add_time("reward", time.perf_counter() - started)
+
+    def _score(self, groups: list[Group]) -> np.ndarray:
+        responses = Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)
         answers = [g.answer for g in groups for _ in range(g.size)]
         if "reward" in self.groups:
-            rewards = run(self.groups["reward"], "score", Dispatch.DP_SPLIT,
-                          {"response_ids": result["response_ids"], "answers": answers})["rewards"]
-        else:
-            rewards = score_responses(self.tokenizer, result["response_ids"], answers)
-        self.scheduler.finish_round(groups, result["response_ids"], result["behaviour_logprobs"], rewards)
-        self._add_time("reward", time.perf_counter() - started)
+            return run(self.groups["reward"], "score", Dispatch.DP_SPLIT,
+                       {"response_ids": responses, "answers": answers})["rewards"]
+        return score_responses(self.tokenizer, responses, answers)
 
     def _add_time(self, stage: str, seconds: float) -> None:
         self.times[f"time_{stage}_s"] = self.times.get(f"time_{stage}_s", 0.0) + seconds
 
     # -- consumption --------------------------------------------------------------------------
-    def _train(self, step: int) -> tuple[Pending, dict[str, Any]]:
+    def _train(self, step: int) -> None:
         """Logprobs and advantages for batch `step` (synchronous), then the train call (asynchronous)."""
         algo = self.job.algorithm
         groups, stats = self.scheduler.take(step)
-        batch: dict[str, list] = {
-            "prompt_ids": [g.prompt_ids for g in groups for _ in range(g.size)],
-            "response_ids": [r for g in groups for r in g.response_ids],
-            "behaviour_logprobs": [lp for g in groups for lp in g.behaviour_logprobs],
-            "rewards": [r for g in groups for r in g.rewards],
-            "group_index": [i for i, g in enumerate(groups) for _ in range(g.size)],
-        }
+        sequences = {"prompt_ids": Ragged.from_arrays([g.prompt_ids for g in groups for _ in range(g.size)], np.int32),
+                     "response_ids": Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)}
+        behaviour = Ragged.from_arrays([lp for g in groups for lp in g.behaviour_logprobs], np.float32)
+        rewards = np.concatenate([g.rewards for g in groups])
+        group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
         started = time.perf_counter()
         self.train_busy.start()
-        sequences = {k: batch[k] for k in ("prompt_ids", "response_ids")}
         pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, sequences)]
         if "reference" in self.groups:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
+        columns: dict[str, Ragged] = {}
         for result in wait(*pending):
-            batch.update(result)
+            columns.update(result)
         self._add_time("logprobs", time.perf_counter() - started)
-        lengths = [len(r) for r in batch["response_ids"]]
-        batch["advantages"] = token_advantages(algo, batch["rewards"], batch["group_index"], lengths,
-                                               batch["old_logprobs"], batch.get("ref_logprobs"))
-        train_keys = ("prompt_ids", "response_ids", "old_logprobs", "ref_logprobs", "advantages")
-        train_batch = {k: batch[k] for k in train_keys if k in batch}
+        old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
+        train_batch = {**sequences, **columns,
+                       "advantages": token_advantages(algo, rewards, group_index, old, ref)}
         if stats["staleness_max"] > 0:
-            train_batch.update(off_policy_columns(self.job.rollout, batch["old_logprobs"], batch["behaviour_logprobs"]))
+            train_batch.update(off_policy_columns(self.job.rollout, old, behaviour))
         lr = learning_rate(self.job.train, step)
         call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch, lr)
-        gap = max(abs(a - b) for old, beh in zip(batch["old_logprobs"], batch["behaviour_logprobs"])
-                  for a, b in zip(old, beh))
-        rewards = batch["rewards"]
+        lengths = old.lengths
         metrics = {
             "reward_mean": fmean(rewards),
             "reward_std": pstdev(rewards),
-            "accuracy": fmean(1.0 if r == 1.0 else 0.0 for r in rewards),
-            "kl": mean_kl(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_estimator)
-            if "ref_logprobs" in batch else 0.0,
-            "response_len": fmean(lengths),
+            "accuracy": float(np.mean(rewards == 1.0)),
+            "kl": mean_kl(old, ref, algo.kl_estimator) if ref is not None else 0.0,
+            "response_len": float(lengths.mean()),
             # With fresh samples rollout and trainer hold the same weights: their log-probs must agree.
-            "rollout_logprob_gap_max": gap,
+            "rollout_logprob_gap_max": float(np.abs(old.values - behaviour.values).max()) if len(old.values) else 0.0,
             "samples": float(len(rewards)),
             "lr": lr,
             **stats,
         }
-        return call, metrics
+        self.training = _InFlight(call, time.perf_counter(), version=step, metrics=metrics)
 
-    def _sync_weights(self) -> "_Both":
-        """Send the trainer's weights to rollout. Each rank runs its calls in order, so every round
-        started after this runs with these weights: that is what `rollout_version` records."""
-        self.rollout_version = self.step
-        return _Both(self.groups["actor_train"].call("send_weights", Dispatch.ONE_TO_ALL),
-                     self.groups["actor_infer"].call("receive_weights", Dispatch.ONE_TO_ALL))
+    # -- the weight sync ----------------------------------------------------------------------
+    def _stage(self, digest: bool) -> None:
+        """The trainer copies the weights of its current version to host memory (FIFO after the
+        train call that made them, before the next)."""
+        pending = self.groups["actor_train"].call("stage_weights", Dispatch.ONE_TO_ALL, self.step, digest)
+        self.staging = _InFlight(pending, time.perf_counter(), version=self.step)
+        self.train_busy.start()
 
-    def check_weights(self) -> dict[str, list[str]]:
-        """Digests of every trainer replica and rollout rank; a mismatch stops the run."""
-        train, infer = wait(self.groups["actor_train"].call("digest", Dispatch.ONE_TO_ALL),
-                            self.groups["actor_infer"].call("digest", Dispatch.ONE_TO_ALL))
-        if len(set(train) | set(infer) - {None}) != 1:
-            raise RuntimeError(f"weights diverged after the sync: actor_train {train}, actor_infer {infer}")
-        return {"digest_actor_train": train, "digest_actor_infer": infer}
+    def _staged(self) -> None:
+        flight, self.staging = self.staging, None
+        if self.training is None:
+            self.train_busy.stop()
+        self.staged_version = flight.version
+        self._add_time("stage", time.perf_counter() - flight.started)
+        digests = flight.pending.value()
+        if any(d is not None for d in digests):
+            self.train_digest = self._replicas_agree(digests)
+
+    def _replicas_agree(self, digests: list[list[tuple[str, str]] | None]) -> str:
+        """Every trainer replica's digest (over its stage leaders' tensors) must be the same."""
+        by_rank = dict(zip(self.groups["actor_train"].ranks, digests))
+        replicas = [combine_digests([pair for rank in leaders for pair in by_rank[rank]])
+                    for leaders in self.replica_leaders["actor_train"]]
+        if len(set(replicas)) != 1:
+            raise RuntimeError(f"trainer replicas diverged: actor_train digests {replicas}")
+        self.digests = {"digest_actor_train": replicas}
+        return replicas[0]
+
+    def _push_ready(self) -> bool:
+        """A push goes out when rollout is between rounds and its loaders are idle, so it never
+        waits inside a collective for a round or a train step to end."""
+        return (self.round is None and self.pushing is None and self.staging is None
+                and self.staged_version > self.rollout_version and not busy(self.loaders.ranks))
+
+    def _push(self, digest: bool) -> None:
+        version = self.staged_version
+        self.rollout_version = version   # every round started after this runs with these weights
+        self.pushing = _InFlight(_Both(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
+                                       self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
+                                 time.perf_counter(), version=version)
+
+    def _pushed(self) -> None:
+        flight, self.pushing = self.pushing, None
+        self._add_time("sync", time.perf_counter() - flight.started)
+        _, loaded = flight.pending.value()
+        if any(d is not None for d in loaded):
+            if set(loaded) != {self.train_digest}:
+                raise RuntimeError(f"weights diverged after the sync of version {flight.version}: actor_train "
+                                   f"{self.train_digest}, actor_infer {loaded}")
+            self.digests["digest_actor_infer"] = loaded
+
+    def _sync_now(self) -> None:
+        """Stage (unless a staging with digests is under way) and push at once, with digests
+        compared (at start, and after every step with `log.check_weights`): waits for the round
+        in flight."""
+        self._settle()
+        if self.staged_version < self.step:
+            self._stage(digest=True)
+            wait(self.staging.pending)
+            self._staged()
+        self._push(digest=True)
+        wait(self.pushing.pending)
+        self._pushed()
+
+    def _settle(self) -> None:
+        """Let the round, the staging and the push in flight end (checks, checkpoints)."""
+        if self.round is not None:
+            wait(self.round.pending)
+            self._finish_round()
+        if self.staging is not None:
+            wait(self.staging.pending)
+            self._staged()
+        if self.pushing is not None:
+            wait(self.pushing.pending)
+            self._pushed()
 
     # -- the loop -----------------------------------------------------------------------------
+    def _advance(self) -> None:
+        """Start whatever may start now: training, staging, a push, a round."""
+        staged = self.staged_version == self.step or (self.staging is not None and self.staging.version == self.step)
+        if self.training is None and staged and self.scheduler.ready(self.step + 1):
+            self._train(self.step + 1)   # FIFO behind the staging of the weights it will change
+        if self.training is None and self.staging is None and self.pushing is None and self.staged_version < self.step:
+            self._stage(digest=False)
+        if self._push_ready():
+            self._push(digest=False)
+        if self.round is None and self.staging is None:   # after a take, so rollout can start on the next batch
+            self._start_round()
+
     def run(self) -> int:
         """Train to `train.steps`; returns the exit code (EXIT_REQUEUE when stopped by a signal)."""
         job = self.job
         self._restore()
-        wait(self._sync_weights())  # rollout starts from exactly the trainer's weights
+        self._sync_now()  # rollout starts from exactly the trainer's weights, checked once
         with StepRecorder(self.run_dir, job.train.steps, job.log.print_every, job.log.tensorboard,
                           resume_step=self.step) as recorder:
             step_started = time.perf_counter()
-            training: tuple[Pending, dict[str, Any], float] | None = None
             while self.step < job.train.steps:
-                if training is None and self.scheduler.ready(self.step + 1):
-                    call, metrics = self._train(self.step + 1)
-                    training = (call, metrics, time.perf_counter())
-                if self.round is None:   # after a take, so rollout can start on the next batch
-                    self._start_round()
-                waiting = [p for p in (self.round and self.round[0], training and training[0], self.sync) if p]
-                done = wait_any(waiting)
-                if self.round is not None and done is self.round[0]:
+                self._advance()
+                flights = [f for f in (self.round, self.training, self.staging, self.pushing) if f is not None]
+                done = wait_any([f.pending for f in flights])
+                if self.round is not None and done is self.round.pending:
                     self._finish_round()
-                elif self.sync is not None and done is self.sync:
-                    self.sync = None
-                    self._add_time("sync", time.perf_counter() - self.sync_started)
-                elif training is not None and done is training[0]:
-                    call, metrics, started = training
-                    training = None
-                    self.train_busy.stop()
-                    self._add_time("train", time.perf_counter() - started)
-                    self.step += 1
-                    train_metrics = call.value()["metrics"]
-                    metrics.update({k: fmean(m[k] for m in train_metrics) for k in train_metrics[0]})
-                    self.sync_started = time.perf_counter()
-                    self.sync = self._sync_weights()
-                    if job.log.check_weights or self._checkpoint_due():
-                        wait(self.sync)            # the checks and the checkpoint need the synced weights
-                        self.sync = None
-                        self._add_time("sync", time.perf_counter() - self.sync_started)
+                elif self.staging is not None and done is self.staging.pending:
+                    self._staged()
+                elif self.pushing is not None and done is self.pushing.pending:
+                    self._pushed()
+                elif self.training is not None and done is self.training.pending:
+                    metrics = self._trained()
                     if job.log.check_weights:
-                        metrics.update(self.check_weights())
+                        self._sync_now()
+                        metrics.update(self.digests)
                     elapsed = time.perf_counter() - step_started
                     step_started = time.perf_counter()
                     metrics.update(self._step_times(elapsed, metrics["samples"]))
@@ -223,12 +309,24 @@ class Controller:
                         return EXIT_REQUEUE
         return 0
 
+    def _trained(self) -> dict[str, Any]:
+        flight, self.training = self.training, None
+        self.train_busy.stop()
+        self._add_time("train", time.perf_counter() - flight.started)
+        self.step = flight.version
+        metrics = flight.metrics
+        train_metrics = flight.pending.value()["metrics"]
+        metrics.update({k: fmean(m[k] for m in train_metrics) for k in train_metrics[0]})
+        if self.pushing is None:   # staging now lets the next train call follow it at once
+            self._stage(digest=self.job.log.check_weights)
+        return metrics
+
     def _checkpoint_due(self) -> bool:
         return self.checkpointer.due(self.step) or self.preemption.requested
 
     def _step_times(self, elapsed: float, samples: float) -> dict[str, float]:
-        times = {k: self.times.get(k, 0.0) for k in
-                 ("time_rollout_s", "time_reward_s", "time_logprobs_s", "time_train_s", "time_sync_s")}
+        times = {k: self.times.get(k, 0.0) for k in ("time_rollout_s", "time_reward_s", "time_logprobs_s",
+                                                     "time_train_s", "time_stage_s", "time_sync_s")}
         self.times = {}
         return {**times, "time_step_s": elapsed, "samples_per_s": samples / elapsed,
                 "rollout_idle_frac": max(0.0, 1 - self.rollout_busy.take() / elapsed),
@@ -236,12 +334,11 @@ class Controller:
 
     # -- checkpoints --------------------------------------------------------------------------
     def _save(self) -> None:
-        if self.round is not None:   # finish the round in flight so its samples are in the buffer
-            wait(self.round[0])
-            self._finish_round()
+        self._settle()   # the round's samples go into the buffer; no collective is left in flight
         state = {"step": self.step, "sampler": asdict(self.sampler.state), "policy_version": self.step,
                  "next_group_id": self.scheduler.next_group_id,
-                 "attempts": [[b, n] for b, n in self.scheduler.attempts.items()]}
+                 "attempts": [[b, n] for b, n in self.scheduler.attempts.items()],
+                 "rounds": [[b, n] for b, n in self.scheduler.rounds.items()]}
         self.checkpointer.save(self.step, state, self.history, self.scheduler.buffer())
 
     def _restore(self) -> None:
@@ -252,10 +349,13 @@ class Controller:
         self.step = int(controller["step"])
         self.sampler.state = SamplerState(**controller["sampler"])
         self.scheduler.restore(self.step, state.buffer or {}, int(controller["next_group_id"]),
-                               {int(b): int(n) for b, n in controller["attempts"]})
+                               {int(b): int(n) for b, n in controller["attempts"]},
+                               {int(b): int(n) for b, n in controller["rounds"]})
         self.history = [dict(m) for m in state.metrics]
 
     def shutdown(self) -> None:
+        if self.servers.ranks:
+            run(self.servers, SHUTDOWN, Dispatch.ONE_TO_ALL)
         run(self.everyone, SHUTDOWN, Dispatch.ONE_TO_ALL)
 
 

@@ -1,10 +1,13 @@
 """The controller's view of the workers: calls to role groups with explicit dispatch modes.
 
 Two modes, as in ROLL/verl:
-- `ONE_TO_ALL`: every rank of the group gets the same arguments (weight sync, save, setup);
-- `DP_SPLIT`: the first argument is a batch (a dict of equal-length lists) split into contiguous
-  shards, one per data-parallel rank; every rank of a DP replica gets its replica's shard, and
-  the results of one rank per replica are concatenated back in the original sample order.
+- `ONE_TO_ALL`: every rank of the group gets the same arguments and replies (weight sync, save,
+  setup);
+- `DP_SPLIT`: the first argument is a columnar batch (`hpcrl.ragged`), split into contiguous
+  shards, one per data-parallel replica. Each shard goes, as one message of raw buffers, to the
+  replica's data leader only, which broadcasts it inside the replica over torch.distributed (as
+  Megatron's `broadcast_data`); the other ranks get the call without the data. Only the rank that
+  holds a replica's result replies, and the replies are concatenated in the original sample order.
 Calls are asynchronous: `call()` returns a `Pending`; `wait()` and `wait_any()` receive replies,
 file every reply under its own call (whichever call is being waited for), and abort the world
 on an error report from any rank.
@@ -16,10 +19,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hpcrl.ragged import concat_batches, split_batch
+from hpcrl.runtime.layout import RoleLayout
 from hpcrl.runtime.messages import TAG_CALL, TAG_ERROR, TAG_REPLY, Call, ErrorReport, Reply
-from hpcrl.runtime.mpi_world import COMM, abort, poll_recv
-
-Batch = dict[str, list]
+from hpcrl.runtime.mpi_world import abort, poll_recv, send
 
 
 class Dispatch(Enum):
@@ -27,22 +30,11 @@ class Dispatch(Enum):
     DP_SPLIT = "dp_split"
 
 
-def split_batch(batch: Batch, parts: int) -> list[Batch]:
-    """Contiguous, near-equal shards of a columnar batch."""
-    size = len(next(iter(batch.values())))
-    bounds = [size * i // parts for i in range(parts + 1)]
-    return [{k: v[bounds[i]:bounds[i + 1]] for k, v in batch.items()} for i in range(parts)]
-
-
-def concat_batches(shards: list[Batch]) -> Batch:
-    return {k: [x for shard in shards for x in shard[k]] for k in shards[0]}
-
-
-@dataclass
+@dataclass(eq=False)
 class Pending:
     group: "WorkerGroup"
     mode: Dispatch
-    call_ids: dict[int, int]          # rank -> call id
+    call_ids: dict[int, int]          # replying rank -> call id
     results: dict[int, Any] = field(default_factory=dict)
 
     @property
@@ -51,39 +43,52 @@ class Pending:
 
     def value(self) -> Any:
         if self.mode is Dispatch.DP_SPLIT:
-            return concat_batches([self.results[rank] for rank in self.group.collect_ranks])
+            return concat_batches([self.results[rank] for rank in self.group.result_ranks])
         return [self.results[rank] for rank in self.group.ranks]
 
 
 class WorkerGroup:
-    """The ranks hosting one role, with their data-parallel layout from the compiled plan."""
+    """Ranks hosting one role (or one service of it, such as the weight servers), with its replicas'
+    data leaders and result ranks from the compiled plan. `tag` is the MPI tag its calls travel on."""
 
     _ids = itertools.count()
 
-    def __init__(self, role: str, ranks: list[int], dp_groups: list[list[int]]):
+    def __init__(self, role: str, ranks: list[int], data_leaders: list[int] | None = None,
+                 result_ranks: list[int] | None = None, tag: int = TAG_CALL):
         self.role = role
-        self.ranks = ranks
-        # The DP index of each rank: replica d holds the d-th member of every DP group.
-        self.dp_index = {rank: d for group in dp_groups for d, rank in enumerate(group)}
-        self.dp_size = len(dp_groups[0])
-        # One rank per replica returns the replica's result: the first rank of each replica.
-        self.collect_ranks = [min(r for r in ranks if self.dp_index[r] == d) for d in range(self.dp_size)]
+        self.ranks = list(ranks)
+        self.data_leaders = data_leaders if data_leaders is not None else list(ranks)
+        self.result_ranks = result_ranks if result_ranks is not None else list(self.data_leaders)
+        self.tag = tag
+
+    @classmethod
+    def of(cls, role: RoleLayout) -> WorkerGroup:
+        replicas = range(role.dp_size)
+        return cls(role.name, role.ranks, [role.data_leader(d) for d in replicas],
+                   [role.result_rank(d) for d in replicas])
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.data_leaders)
 
     def call(self, method: str, mode: Dispatch, *args: Any) -> Pending:
-        shards = split_batch(args[0], self.dp_size) if mode is Dispatch.DP_SPLIT else None
+        split = mode is Dispatch.DP_SPLIT
+        shards = dict(zip(self.data_leaders, split_batch(args[0], self.dp_size))) if split else {}
+        repliers = set(self.result_ranks) if split else set(self.ranks)
         call_ids = {}
         for rank in self.ranks:
-            call_args = (shards[self.dp_index[rank]],) + args[1:] if shards is not None else args
+            call_args = (shards.get(rank),) + args[1:] if split else args
             call_id = next(self._ids)
-            COMM.send(Call(call_id, self.role, method, call_args), dest=rank, tag=TAG_CALL)
-            call_ids[rank] = call_id
+            send(Call(call_id, self.role, method, call_args, split, rank in repliers), rank, self.tag)
+            if rank in repliers:
+                call_ids[rank] = call_id
         pending = Pending(self, mode, call_ids)
         for rank, call_id in call_ids.items():
             _outstanding[call_id] = (pending, rank)
         return pending
 
 
-_outstanding: dict[int, tuple[Pending, int]] = {}  # call id -> (its Pending, the rank it went to)
+_outstanding: dict[int, tuple[Pending, int]] = {}  # call id -> (its Pending, the rank that will reply)
 
 
 def _receive_one() -> Pending:
@@ -97,6 +102,12 @@ def _receive_one() -> Pending:
     owner, rank = _outstanding.pop(message.call_id)
     owner.results[rank] = message.result
     return owner
+
+
+def busy(ranks: set[int] | list[int]) -> bool:
+    """Whether a call to any of `ranks` is still running (judged by the replies still owed)."""
+    ranks = set(ranks)
+    return any(set(pending.group.ranks) & ranks for pending, _ in _outstanding.values())
 
 
 def wait(*pending: Any) -> list[Any]:
@@ -119,3 +130,4 @@ def wait_any(pending: list[Any]) -> Any:
 def run(group: WorkerGroup, method: str, mode: Dispatch, *args: Any) -> Any:
     """Call and wait: the synchronous form."""
     return wait(group.call(method, mode, *args))[0]
+

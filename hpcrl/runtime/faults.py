@@ -3,6 +3,8 @@
 The N-th call of METHOD on rank RANK raises (KIND `raise`, the default) or kills the process
 (`exit`: no Python cleanup, as a segfault or OOM kill would). Used by the fault-tolerance tests
 and by operators rehearsing a failure on a real cluster; unset, it costs one dict lookup.
+`HPCRL_INJECT_DECODE_DELAY_S=S` slows the native sampler by S seconds per decoding step, so that
+tests can make a generation round outlast a timeout.
 """
 from __future__ import annotations
 
@@ -24,3 +26,7 @@ def maybe_fail(rank: int, method: str) -> None:
         if len(parts) == 4 and parts[3] == "exit":
             os._exit(3)
         raise RuntimeError(f"injected fault: call {parts[2]} of {method} on rank {rank} (HPCRL_INJECT_FAULT)")
+
+
+def decode_delay_s() -> float:
+    return float(os.environ.get("HPCRL_INJECT_DECODE_DELAY_S", "0"))

@@ -1,4 +1,5 @@
-"""torch.distributed process groups for the plan: one per DP group of each role, one for weight sync.
+"""torch.distributed process groups for the plan: per role its DP, Megatron and replica groups; per
+trainer pipeline stage a weight-sync group (gloo, with `rollout.sync_timeout_s` as its timeout).
 
 `new_group` is collective over the whole world, so every rank (the controller too) builds the
 same groups in the same order and keeps the ones it belongs to.
@@ -6,6 +7,7 @@ same groups in the same order and keeps the ones it belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -17,8 +19,9 @@ class ProcessGroups:
     dp: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)  # role -> this rank's DP group
     dp_index: dict[str, int] = field(default_factory=dict)                 # role -> this rank's DP index
     megatron: dict[str, dict] = field(default_factory=dict)                # role -> its Megatron groups here
-    sync: dist.ProcessGroup | None = None
-    sync_src: int = -1
+    # role -> (this rank's replica group, its data leader), for replicas of more than one rank
+    replica: dict[str, tuple[dist.ProcessGroup, int]] = field(default_factory=dict)
+    sync: dict[int, dist.ProcessGroup] = field(default_factory=dict)       # trainer stage -> its sync group
 
 
 def _new_group(ranks: list[int], always: bool = False) -> dist.ProcessGroup | None:
@@ -26,7 +29,7 @@ def _new_group(ranks: list[int], always: bool = False) -> dist.ProcessGroup | No
     return dist.new_group(ranks) if len(ranks) > 1 or always else None
 
 
-def build_process_groups(layout: WorldLayout, rank: int) -> ProcessGroups:
+def build_process_groups(layout: WorldLayout, rank: int, sync_timeout_s: float) -> ProcessGroups:
     groups = ProcessGroups()
     for name, role in layout.roles.items():
         for ranks in role.dp_groups:
@@ -41,10 +44,18 @@ def build_process_groups(layout: WorldLayout, rank: int) -> ProcessGroups:
             mine = new_role_groups(role_rank_groups(role.parallel, role.ranks), rank)
             if mine is not None:
                 groups.megatron[name] = mine
-    receivers = layout.sync_receivers()
-    groups.sync_src = layout.roles["actor_train"].source
-    members = [groups.sync_src] + receivers
-    sync = _new_group(members) if receivers else None
-    if rank in members:
-        groups.sync = sync
+    # Batches are broadcast inside a replica over gloo, whatever the device (see data_plane.py).
+    for name, role in layout.roles.items():
+        for replica in role.replicas:
+            if len(replica) > 1:
+                group = dist.new_group(replica, backend="gloo")
+                if rank in replica:
+                    groups.replica[name] = (group, replica[0])
+    sync = layout.sync
+    for stage in range(len(sync.sources)):
+        members = sync.members(stage)
+        if len(members) > 1:
+            group = dist.new_group(members, backend="gloo", timeout=timedelta(seconds=sync_timeout_s))
+            if rank in members:
+                groups.sync[stage] = group
     return groups

@@ -1,6 +1,10 @@
 """The compiled plan seen from inside the job: which world ranks host which role, and its groups.
 
-Nothing here decides placement: it keeps the part of the plan the ranks need, in picklable form.
+Nothing here decides placement: it keeps the part of the plan the ranks need, in picklable form,
+and answers the questions the data plane and the weight sync ask of it: which ranks form a model
+replica, which of them receives a replica's data from the controller (its data leader), which
+holds the result (Megatron: TP rank 0 of the last pipeline stage), and which rank holds each
+pipeline stage's full weights (TP rank 0 of that stage).
 """
 from __future__ import annotations
 
@@ -8,25 +12,82 @@ from dataclasses import dataclass
 
 from hpcrl.placement import Plan
 
+# Generation engines whose replica's first rank drives the whole replica (vLLM's TP workers are
+# its child processes): the weights are loaded there only.
+LEADER_LOADS_WEIGHTS = ("vllm",)
+
 
 @dataclass(frozen=True)
 class RoleLayout:
     name: str
     ranks: list[int]
-    dp_groups: list[list[int]]
+    rank_groups: dict[str, list[list[int]]]   # tp/pp/cp/ep/dp -> groups of world ranks (Megatron order)
     engine: str
     parallel: dict[str, int]
 
-    def replica_of(self, rank: int) -> list[int]:
-        """The ranks of `rank`'s model replica (its TP x PP ranks; replica d holds the d-th member
-        of every DP group), in rank order."""
-        d = next(group.index(rank) for group in self.dp_groups if rank in group)
-        return sorted(group[d] for group in self.dp_groups)
+    @property
+    def dp_groups(self) -> list[list[int]]:
+        return self.rank_groups["dp"]
 
     @property
-    def source(self) -> int:
-        """The rank that owns a full copy of the weights (first rank of the first DP replica)."""
-        return self.dp_groups[0][0]
+    def dp_size(self) -> int:
+        return len(self.dp_groups[0])
+
+    def _index(self, kind: str, rank: int) -> int:
+        """`rank`'s position in its group of `kind` (its tp/pp/cp/dp rank)."""
+        return next(group.index(rank) for group in self.rank_groups[kind] if rank in group)
+
+    def dp_index(self, rank: int) -> int:
+        return self._index("dp", rank)
+
+    @property
+    def replicas(self) -> list[list[int]]:
+        """The ranks of each model replica (its TP x PP x CP ranks), by DP index, in rank order:
+        replica d holds the d-th member of every DP group."""
+        return [sorted(group[d] for group in self.dp_groups) for d in range(self.dp_size)]
+
+    def replica_of(self, rank: int) -> list[int]:
+        return self.replicas[self.dp_index(rank)]
+
+    def data_leader(self, replica: int) -> int:
+        """The rank that receives the replica's share of a batch and broadcasts it to the others."""
+        return self.replicas[replica][0]
+
+    def result_rank(self, replica: int) -> int:
+        """The rank that holds (and returns) the replica's results: TP and CP rank 0 of the last
+        pipeline stage, where the logits are."""
+        pp = self.parallel.get("pp", 1)
+        return self.stage_leaders(replica)[pp - 1]
+
+    def stage_leaders(self, replica: int) -> list[int]:
+        """Per pipeline stage, the replica's rank with TP and CP rank 0: it holds the stage's full
+        (TP-gathered) weights."""
+        pp = self.parallel.get("pp", 1)
+        leaders = {self._index("pp", r): r for r in self.replicas[replica]
+                   if self._index("tp", r) == 0 and self._index("cp", r) == 0}
+        return [leaders[stage] for stage in range(pp)]
+
+    @property
+    def weight_loaders(self) -> list[int]:
+        """The ranks that load weights into a generation engine."""
+        if self.engine in LEADER_LOADS_WEIGHTS:
+            return [replica[0] for replica in self.replicas]
+        return list(self.ranks)
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    """Trainer -> rollout weight sync: every pipeline stage of the trainer's first replica sends its
+    own layers from its stage leader, all stages at once, to every rank that loads weights; a
+    loader that is itself a stage's source takes that stage from its own memory."""
+
+    sources: list[int]                 # per stage, the sending rank
+    loaders: list[int]                 # the rollout ranks that load weights
+
+    def members(self, stage: int) -> list[int]:
+        """The ranks of stage `stage`'s sync group: its source first, then the loaders it sends to."""
+        source = self.sources[stage]
+        return [source] + [r for r in self.loaders if r != source]
 
 
 @dataclass(frozen=True)
@@ -38,15 +99,14 @@ class WorldLayout:
     def roles_on(self, rank: int) -> list[str]:
         return [name for name, role in self.roles.items() if rank in role.ranks]
 
-    def sync_receivers(self) -> list[int]:
-        """Rollout ranks that need the trainer's weights sent (those not sharing a rank with it)."""
-        train = set(self.roles["actor_train"].ranks)
-        return [r for r in self.roles["actor_infer"].ranks if r not in train]
+    @property
+    def sync(self) -> SyncLayout:
+        return SyncLayout(self.roles["actor_train"].stage_leaders(0), self.roles["actor_infer"].weight_loaders)
 
 
 def world_layout(plan: Plan) -> WorldLayout:
-    roles = {name: RoleLayout(name, list(role.ranks), [list(g) for g in role.rank_groups["dp"]], role.engine,
-                              dict(role.parallel))
+    roles = {name: RoleLayout(name, list(role.ranks), {k: [list(g) for g in v] for k, v in role.rank_groups.items()},
+                              role.engine, dict(role.parallel))
              for name, role in plan.roles.items()}
     local_device = {rank: plan.slot_of_rank(rank) % plan.devices_per_node for rank in range(1, plan.world_size)}
     return WorldLayout(plan.world_size, roles, local_device)

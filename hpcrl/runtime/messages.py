@@ -1,4 +1,5 @@
-"""What travels between the controller and the workers over MPI (pickled small objects)."""
+"""What travels between the controller and the workers over MPI: small pickled objects, with any
+token columns inside them sent out of band as raw buffers (see mpi_world.send)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from typing import Any
 TAG_CALL = 11    # controller -> worker: run a method of a hosted role
 TAG_REPLY = 12   # worker -> controller: the method's result
 TAG_ERROR = 13   # worker -> controller: the method raised; the world is about to be aborted
+TAG_SYNC = 14    # controller -> a weight server's thread: send the staged weights now
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,8 @@ class Call:
     role: str
     method: str
     args: tuple[Any, ...] = ()
+    split: bool = False   # args[0] is this rank's replica's share of a batch (None on all but its data leader)
+    reply: bool = True    # whether this rank answers (of a replica, only the rank holding the result does)
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from hpcrl.runtime.messages import TAG_ERROR, ErrorReport
@@ -17,20 +20,63 @@ COMM = MPI.COMM_WORLD
 CONTROLLER = 0
 
 
+_PICKLE = MPI.Pickle()
+_SEND_LOCK = threading.Lock()   # a framed message's parts leave together, whichever thread sends
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages this rank has sent over MPI (headers, pickles and out-of-band buffers)."""
+
+    bytes: int = 0
+    messages: int = 0
+
+
+TRAFFIC = Traffic()
+
+
+def send(obj: Any, dest: int, tag: int) -> int:
+    """Send `obj` as one framed message: its pickle (protocol 5) and, out of band, every buffer it
+    holds (numpy arrays: token columns) as raw MPI messages, with no copy into the pickle. Returns
+    the bytes sent. Thread-safe: the worker's weight server replies from its own thread."""
+    data, buffers = _PICKLE.dumps_oob(obj)
+    views = [memoryview(b).cast("B") for b in buffers]
+    header = np.array([len(data)] + [v.nbytes for v in views], dtype=np.int64)
+    with _SEND_LOCK:
+        COMM.Send(header, dest=dest, tag=tag)
+        COMM.Send(data, dest=dest, tag=tag)
+        for view in views:
+            COMM.Send(view, dest=dest, tag=tag)
+        sent = header.nbytes + int(header.sum())
+        TRAFFIC.bytes += sent
+        TRAFFIC.messages += 1
+    return sent
+
+
 def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any, int, int]:
-    """Receive without spinning: probe, then sleep with back-off up to 5 ms.
+    """Receive one framed message (see `send`) without spinning: probe, then sleep with back-off
+    up to 5 ms. Returns (object, source, tag).
 
     Ranks are often oversubscribed (4 ranks on 2 cores here, or idle ranks beside busy ones on a
     GPU node); a blocking MPI receive busy-polls and would steal the CPU the busy ranks need.
-    Returns (object, source, tag).
+    The rest of a message is received from the header's source and tag: MPI keeps messages from
+    one sender on one tag in order, and each (source, tag) has one receiving thread.
     """
     status = MPI.Status()
     delay = 1e-4
-    while not COMM.Iprobe(source=source, tag=tag, status=status):
+    while True:
+        message = COMM.Improbe(source=source, tag=tag, status=status)
+        if message is not None:
+            break
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)
-    obj = COMM.recv(source=status.Get_source(), tag=status.Get_tag())
-    return obj, status.Get_source(), status.Get_tag()
+    source, tag = status.Get_source(), status.Get_tag()
+    header = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
+    message.Recv(header)
+    parts = [bytearray(int(n)) for n in header]
+    for part in parts:
+        COMM.Recv(part, source=source, tag=tag)
+    return _PICKLE.loads_oob(parts[0], parts[1:]), source, tag
 
 
 def abort(message: str, code: int = 1) -> None:
@@ -46,7 +92,7 @@ def report_and_wait(role: str, method: str) -> None:
     If the controller does not abort within 20 s (it may be stuck itself), abort from here.
     """
     report = ErrorReport(COMM.Get_rank(), role, method, traceback.format_exc())
-    COMM.send(report, dest=CONTROLLER, tag=TAG_ERROR)
+    send(report, CONTROLLER, TAG_ERROR)
     time.sleep(20)
     abort(report.describe())
 

@@ -1,8 +1,9 @@
 """The roles a worker rank can host. Each public method is callable by the controller."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -10,14 +11,15 @@ import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import build_model
-from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
-from hpcrl.engines.base import NamedTensors, TrainingEngine
+from hpcrl.engines.native_sampler import Generation, NativeSampler, SamplingParams
+from hpcrl.engines.base import TrainingEngine
 from hpcrl.engines.registry import generation_engine, training_engine
 from hpcrl.engines.torch_trainer import Samples
+from hpcrl.ragged import Batch
 from hpcrl.rewards import score_responses
-from hpcrl.runtime.weight_sync import broadcast_named, combine_digests, tensor_digests, weights_digest
-
-Batch = dict[str, list]
+from hpcrl.runtime.faults import decode_delay_s
+from hpcrl.runtime.weight_sync import (Source, StagedWeights, WeightReceiver, WeightServer, combine_digests,
+                                       tensor_digests, weights_digest)
 
 
 @dataclass(frozen=True)
@@ -28,13 +30,16 @@ class RoleContext:
     tokenizer: object
     dp_group: dist.ProcessGroup | None
     dp_index: int
-    sync_group: dist.ProcessGroup | None
-    sync_src: int
     peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
     device: str = "cpu"       # "cuda:<local device>" on GPU nodes
     megatron_groups: dict | None = None  # this rank's Megatron process groups (engine: megatron)
     replica_leader: bool = True           # the first rank of this rank's replica of the role
     replica_devices: tuple[int, ...] = ()  # the local devices of that replica's ranks (vLLM's TP GPUs)
+    # Weight sync: the stage this rank sends (and its sync group), when it is a trainer stage's
+    # leader; and, on a rank that loads weights, where each trainer stage comes from.
+    sync_stage: int | None = None
+    sync_send_group: dist.ProcessGroup | None = None
+    sync_sources: list[tuple[int, dist.ProcessGroup | None, int]] = field(default_factory=list)  # (stage, group, src)
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
@@ -57,9 +62,15 @@ class ActorTrain:
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
         self.trainer = training_engine_for("actor_train", ctx, trainable=True)
+        self.staged: StagedWeights | None = None
+        if ctx.sync_stage is not None:
+            self.staged = StagedWeights(pin_memory=ctx.device.startswith("cuda"))
+            if ctx.sync_send_group is not None:
+                self.server = WeightServer(self.staged, ctx.sync_send_group)
 
-    def logprobs(self, batch: Batch) -> Batch:
-        return {"old_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
+    def logprobs(self, batch: Batch) -> Batch | None:
+        logprobs = self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])
+        return None if logprobs is None else {"old_logprobs": logprobs}
 
     def train_step(self, batch: Batch, lr: float) -> Batch:
         columns = {k: batch[k] for k in ("old_logprobs", "ref_logprobs", "advantages", "importance_weights")
@@ -67,22 +78,20 @@ class ActorTrain:
         metrics = self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns), lr)
         return {"metrics": [metrics]}
 
-    def send_weights(self) -> int:
-        """Only the sync source sends; the other replicas hold the same weights and have nothing to do."""
-        ctx = self.ctx
+    def stage_weights(self, version: int, digest: bool) -> list[tuple[str, str]] | None:
+        """Copy the weights of policy `version` to the host, on the sync sources, for the push that
+        follows at rollout's next round boundary. Collective over the role (gathering is). With
+        `digest`, every stage leader of every replica returns its tensors' digests (None elsewhere)."""
+        digests: list[tuple[str, str]] = []
         weights = self.trainer.named_weights()
-        if ctx.sync_group is None or dist.get_rank() != ctx.sync_src:
-            for _ in weights:  # gathering sharded weights is collective over the role's TP/PP ranks
+        if digest:
+            weights = _digesting(weights, digests)
+        if self.staged is not None:
+            self.staged.stage(weights, version)
+        else:
+            for _ in weights:  # gathering sharded weights is collective over the role's ranks
                 pass
-            return 0
-        moved = 0
-        for bucket in broadcast_named(weights, ctx.sync_src, ctx.sync_group):
-            moved += sum(t.numel() * t.element_size() for _, t in bucket)
-        return moved
-
-    def digest(self) -> str | None:
-        """None on a rank that holds no full copy (Megatron TP/PP ranks past the first of a replica)."""
-        return weights_digest(self.trainer.named_weights())
+        return digests or None
 
     def save(self, checkpoint_dir: Path) -> None:
         """The engine's model + optimizer state (collective over the role's ranks)."""
@@ -92,21 +101,30 @@ class ActorTrain:
         self.trainer.load_state(checkpoint_dir / "actor_train")
 
 
+def _digesting(weights: Iterable[tuple[str, torch.Tensor]], into: list[tuple[str, str]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights as they come, with each tensor's digest appended to `into` on the way."""
+    for name, tensor in weights:
+        into += tensor_digests([(name, tensor)])
+        yield name, tensor
+
+
 class Reference:
     """A frozen copy of the initial policy, for the KL penalty."""
 
     def __init__(self, ctx: RoleContext):
         self.trainer = training_engine_for("reference", ctx, trainable=False)
 
-    def logprobs(self, batch: Batch) -> Batch:
-        return {"ref_logprobs": self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])}
+    def logprobs(self, batch: Batch) -> Batch | None:
+        logprobs = self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])
+        return None if logprobs is None else {"ref_logprobs": logprobs}
 
 
 class ActorInfer:
     """Rollout with the job's generation engine. `native` runs on every rank of the role. `vllm` runs
     one offline engine per rollout replica, on the replica's first rank, with tensor parallelism
     inside vLLM over the replica's devices; the replica's other ranks give their GPUs to vLLM's
-    TP workers and only take part in the weight broadcast."""
+    TP workers and have nothing to do."""
 
     def __init__(self, ctx: RoleContext):
         job = self.job = ctx.job
@@ -118,49 +136,42 @@ class ActorInfer:
         self.model.requires_grad_(False)
         self.engine = None
         if name == "native":
-            self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s())
         elif ctx.replica_leader:
             self.engine = generation_engine(name)(self.model, tokenizer.eos_token_id, job.seed,
                                                   tensor_parallel_size=len(ctx.replica_devices),
                                                   devices=ctx.replica_devices)
-        self.received_digest: str | None = None   # engines whose weights live elsewhere (vLLM's workers)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+        self.receiver = WeightReceiver(getattr(self.engine, "landing_buffer", None))
 
-    def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch:
+    def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch | None:
+        """One round: a response (or its continuation) per row, each within its `budgets` entry of
+        new tokens; rows still running after `rollout.max_round_s` come back unfinished."""
         if self.engine is None:  # a vLLM TP follower: the replica's first rank answers for it
-            return {"response_ids": [], "behaviour_logprobs": []}
+            return None
+        limit = self.job.rollout.max_round_s
         generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
-        responses, logprobs = self.engine.generate(batch["prompt_ids"], self.params, generator)
-        return {"response_ids": responses, "behaviour_logprobs": logprobs}
+        out: Generation = self.engine.generate(batch["prompt_ids"], self.params, generator, batch["budgets"],
+                                               None if limit is None else time.monotonic() + limit)
+        return {"response_ids": out.response_ids, "behaviour_logprobs": out.logprobs, "finished": out.finished}
 
-    def receive_weights(self) -> int:
-        local_trainer = self.ctx.peers.get("actor_train")
-        if local_trainer is not None:  # colocated: the trainer's weights are in this process
-            self._load([list(local_trainer.trainer.named_weights())])
-            return 0
-        return self._load(broadcast_named(None, self.ctx.sync_src, self.ctx.sync_group))
-
-    def _load(self, buckets: Iterable[NamedTensors]) -> int:
-        """Hand every bucket to the engine; returns the bytes moved. For an engine whose weights live
-        elsewhere (vLLM's workers) the digest of what it was handed is kept, over all buckets."""
-        hashed = self.job.log.check_weights and not isinstance(self.engine, NativeSampler)
-        digests, moved = [], 0
-        for bucket in buckets:
-            if self.engine is not None:
+    def receive_weights(self, digest: bool) -> str | None:
+        """Load the pushed weights, every trainer stage at once, bucket by bucket; with `digest`, the
+        digest of what was loaded (the native model itself; for vLLM what it was handed)."""
+        local = self.ctx.peers.get("actor_train")
+        sources = [Source(local=local.staged) if group is None else Source(group, src)
+                   for _, group, src in self.ctx.sync_sources]
+        digests: list[tuple[str, str]] = []
+        native = isinstance(self.engine, NativeSampler)
+        for bucket, landed in self.receiver.receive(sources):
+            if self.engine is not None and not landed:
                 self.engine.load_weights(bucket)
-            if hashed:
+            if digest and not native:
                 digests += tensor_digests(bucket)
-            moved += sum(t.numel() * t.element_size() for _, t in bucket)
-        if hashed:
-            self.received_digest = combine_digests(digests)
-        return moved
-
-    def digest(self) -> str | None:
-        """The native sampler's model itself; for vLLM the weights it was handed (its workers hold them)."""
-        if isinstance(self.engine, NativeSampler):
-            return weights_digest(self.model.named_parameters())
-        return self.received_digest if self.engine is not None else None
+        if not digest:
+            return None
+        return weights_digest(self.model.named_parameters()) if native else combine_digests(digests)
 
 
 class Reward:

@@ -1,12 +1,16 @@
 """The worker loop: host the roles the plan gives this rank and run what the controller calls."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from hpcrl.runtime.data_plane import broadcast_batch
 from hpcrl.runtime.faults import maybe_fail
 from hpcrl.runtime.messages import SHUTDOWN, TAG_CALL, TAG_REPLY, Call, Reply
-from hpcrl.runtime.mpi_world import COMM, CONTROLLER, poll_recv, report_and_wait
+from hpcrl.runtime.mpi_world import COMM, CONTROLLER, poll_recv, report_and_wait, send
 
 
 class RankHost:
@@ -32,19 +36,28 @@ class RankHost:
         load_rng(Path(path), COMM.Get_rank())
 
 
-def serve(roles: dict[str, Any]) -> None:
-    """Answer calls until the controller says shutdown. An exception is reported, then the world aborts."""
+def serve(roles: dict[str, Any], replicas: Mapping[str, tuple[dist.ProcessGroup, int]]) -> None:
+    """Answer calls until the controller says shutdown. An exception is reported, then the world aborts.
+
+    `replicas`: for each hosted role whose model replica spans several ranks, the replica's group
+    and its data leader: a split call's batch arrives at the leader and is broadcast from there.
+    """
     roles = {"*": RankHost(roles), **roles}
     while True:
         call, _, _ = poll_recv(source=CONTROLLER, tag=TAG_CALL)
         assert isinstance(call, Call)
         if call.method == SHUTDOWN:
-            COMM.send(Reply(call.call_id, None), dest=CONTROLLER, tag=TAG_REPLY)
+            send(Reply(call.call_id, None), CONTROLLER, TAG_REPLY)
             return
         try:
             maybe_fail(COMM.Get_rank(), call.method)
-            result = getattr(roles[call.role], call.method)(*call.args)
+            args = call.args
+            if call.split and call.role in replicas:
+                group, leader = replicas[call.role]
+                args = (broadcast_batch(args[0], leader, group),) + args[1:]
+            result = getattr(roles[call.role], call.method)(*args)
         except BaseException:
             report_and_wait(call.role, call.method)
             return
-        COMM.send(Reply(call.call_id, result), dest=CONTROLLER, tag=TAG_REPLY)
+        if call.reply:
+            send(Reply(call.call_id, result), CONTROLLER, TAG_REPLY)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
+from hpcrl.engines.batch import unpad
 from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
 from hpcrl.engines.megatron.model import build_gpt_model
@@ -25,6 +26,7 @@ from hpcrl.engines.megatron.packing import causal_mask, micro_batch_count, micro
 from hpcrl.engines.megatron.vocab_parallel import vocab_parallel_logprobs
 from hpcrl.engines.resharding import GPTShape, gather_hf
 from hpcrl.engines.torch_trainer import Samples
+from hpcrl.ragged import Ragged
 
 
 class MegatronTrainer:
@@ -100,18 +102,14 @@ class MegatronTrainer:
         pick = partial(torch.gather, dim=1, index=mb["index"])
         return pick(logp), (pick(entropy) if entropy is not None else None)
 
-    def _from_last_stage(self, value):
-        """Share a Python object computed on the last pipeline stage with the whole PP group."""
-        pp = self.pgc.pp.size()
-        if pp == 1:
-            return value
-        holder = [value]
-        dist.broadcast_object_list(holder, group=self.pgc.pp, group_src=pp - 1)
-        return holder[0]
+    @property
+    def _last_stage(self) -> bool:
+        return self.pgc.pp.rank() == self.pgc.pp.size() - 1
 
     @torch.no_grad()
-    def logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        """Per-token log-probabilities of the responses; the same list on every rank of the replica."""
+    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged | None:
+        """Per-token log-probabilities of the responses, on the last pipeline stage (where the
+        logits are; None on the other stages)."""
         self.model.eval()
 
         def loss_func(mb, logits):
@@ -119,9 +117,9 @@ class MegatronTrainer:
             return logp.sum() * 0, mb["response_mask"].sum().int(), {"logprobs": logp.cpu()}
 
         outputs = self._run(pack(prompt_ids, response_ids, self.pad_id), loss_func, forward_only=True)
-        rows = torch.cat([o["logprobs"] for o in outputs]).tolist() if outputs else None
-        rows = self._from_last_stage(rows)
-        return [row[: len(r)] for row, r in zip(rows, response_ids)]
+        if not self._last_stage:
+            return None
+        return unpad(torch.cat([o["logprobs"] for o in outputs]), response_ids.lengths)
 
     # ---- training --------------------------------------------------------------------------------------------------
 
@@ -141,7 +139,8 @@ class MegatronTrainer:
         return loss, mask.sum().int(), metrics
 
     def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
-        """`ppo_epochs` passes over this DP shard, each in `minibatches` optimizer steps at rate `lr`."""
+        """`ppo_epochs` passes over this DP shard, each in `minibatches` optimizer steps at rate `lr`;
+        the metrics on the last pipeline stage ({} on the others)."""
         train = self.job.train
         set_learning_rate(self.optimizer, lr)
         batch = pack(samples.prompt_ids, samples.response_ids, self.pad_id, samples.columns)
@@ -158,7 +157,9 @@ class MegatronTrainer:
                 self.optimizer.zero_grad()
                 outputs = self._run(minibatch, loss_func, forward_only=False)
                 _, grad_norm, _ = self.optimizer.step()
-                metrics = self._from_last_stage(_minibatch_metrics(outputs, self.pgc.dp.size()))
+                if not self._last_stage:  # the loss and its metrics live on the last stage
+                    continue
+                metrics = _minibatch_metrics(outputs, self.pgc.dp.size())
                 if train.grad_clip is not None and grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 for key, value in metrics.items():
@@ -168,12 +169,10 @@ class MegatronTrainer:
     # ---- weights ---------------------------------------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, yielded on the first rank (TP rank 0, PP stage 0) of every DP replica.
-
-        Collective over the replica's TP and PP ranks; the other ranks yield nothing.
-        """
+        """Each pipeline stage's full HF-named tensors, yielded on the stage's TP rank 0 (of every DP
+        replica). Collective over the stage's TP ranks; the other ranks yield nothing."""
         local = [(name, p.detach()) for name, p in self.gpt.named_parameters()]
-        return gather_hf(local, self.shape, self.pgc.tp, self.pgc.pp)
+        return gather_hf(local, self.shape, self.pgc.tp, self.pgc.pp.size(), self.pgc.pp.rank())
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
 
@@ -244,15 +243,13 @@ class MegatronTrainer:
         return tensors
 
 
-def _minibatch_metrics(outputs: list[dict], dp: int) -> dict[str, float] | None:
-    """One minibatch's metrics from its micro-batches (on the last stage; None elsewhere).
+def _minibatch_metrics(outputs: list[dict], dp: int) -> dict[str, float]:
+    """One minibatch's metrics from its micro-batches (the loss outputs of the last stage).
 
     `loss` and `kl_loss` are shares of the global loss: summed, and scaled by the DP size to
     estimate the global value from this replica (as the torch engine reports it). The others are
     token-weighted means over this replica's micro-batches.
     """
-    if not outputs:
-        return None
     tokens = sum(o["tokens"] for o in outputs)
     summed = {"loss", "kl_loss"}
     metrics = {k: sum(o[k] for o in outputs) * dp for k in summed if k in outputs[0]}

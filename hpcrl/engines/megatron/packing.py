@@ -8,36 +8,29 @@ rollout gave it, and the log-probabilities agree token for token with the other 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hpcrl.engines.batch import length_mask, right_pad
+from hpcrl.ragged import Ragged
 
 
-def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-         columns: dict[str, Sequence[Sequence[float]]] | None = None) -> dict[str, torch.Tensor]:
+def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Ragged] | None = None
+         ) -> dict[str, torch.Tensor]:
     """tokens/targets [N, L], the positions predicting each response token `index` [N, R], the
     response mask [N, R], and the per-token `columns` right-padded to [N, R] (0 on padding)."""
-    rows = [list(p) + list(r) for p, r in zip(prompts, responses)]
-    width = max(len(row) for row in rows)
-    resp_width = max(1, max(len(r) for r in responses))
-    tokens = torch.full((len(rows), width + 1), pad_id, dtype=torch.long)
-    index = torch.zeros((len(rows), resp_width), dtype=torch.long)
-    for i, (row, prompt) in enumerate(zip(rows, prompts)):
-        tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        # logits at position t predict token t + 1: response token j is predicted at len(prompt) - 1 + j
-        index[i] = (len(prompt) - 1 + torch.arange(resp_width)).clamp(max=width - 1)
+    prompt_lengths = prompts.lengths
+    rows = Ragged.concat_rows(prompts, responses)
+    width = max(1, rows.max_length())
+    resp_width = max(1, responses.max_length())
+    tokens = torch.from_numpy(rows.padded(width + 1, pad_id).astype(np.int64))
+    # logits at position t predict token t + 1: response token j is predicted at len(prompt) - 1 + j
+    index = torch.from_numpy(np.minimum(prompt_lengths[:, None] - 1 + np.arange(resp_width)[None], width - 1))
     packed = {"tokens": tokens[:, :width], "targets": tokens[:, 1:], "index": index,
-              "response_mask": _fit(length_mask([len(r) for r in responses]), resp_width)}
+              "response_mask": length_mask(responses.lengths, width=resp_width)}
     for name, values in (columns or {}).items():
-        packed[name] = _fit(right_pad(values, 0.0, torch.float32), resp_width)
+        packed[name] = right_pad(values, 0.0, torch.float32, resp_width)
     return packed
-
-
-def _fit(values: torch.Tensor, width: int) -> torch.Tensor:
-    return values[:, :width] if values.shape[1] >= width else F.pad(values, (0, width - values.shape[1]))
 
 
 def causal_mask(length: int, device: torch.device | str) -> torch.Tensor:
