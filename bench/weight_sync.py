@@ -76,7 +76,8 @@ def main() -> int:
 
     from hpcrl.engines.native_sampler import NativeSampler
     from hpcrl.runtime.mpi_world import init_torch_distributed
-    from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, push, weights_digest
+    from hpcrl.engines.digests import weights_digest
+    from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, push
 
     rank = MPI.COMM_WORLD.Get_rank()
     torch.set_num_threads(1)

@@ -2,8 +2,9 @@
 vllm rollout on one GPU, with the weight sync between them.
 
 Each step: the rollout samples, the trainer recomputes the log-probabilities of the same tokens
-(their mean absolute difference must stay under --tolerance nats), trains, and sends its
-weights back. Prints tokens/s and the weight-sync time. Started by scripts/gpu_check.sh; stops
+(their mean absolute difference must stay under --tolerance nats), trains, stages its weights in
+pinned host memory as the runtime does and the rollout loads them bucket by bucket. At the end a
+round is cut by a deadline (partial rollout). Prints tokens/s and the stage and load times. Started by scripts/gpu_check.sh; stops
 at the first thing that fails, saying what and why; exit status 0 only if every check passed.
 """
 from __future__ import annotations
@@ -111,35 +112,42 @@ def build(args: argparse.Namespace, rollout_kind: str):
     return job, tokenizer, trainer, rollout
 
 
-def mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
-    diffs = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
-    return sum(diffs) / max(len(diffs), 1)
+def mean_gap(a, b) -> float:
+    """Mean |difference| of two packed per-token columns."""
+    return float(abs(a.values - b.values).mean()) if len(a.values) else 0.0
 
 
 def run(args: argparse.Namespace, rollout_kind: str) -> None:
+    import numpy as np
     import torch
 
     from hpcrl.algos import grpo_advantages
     from hpcrl.data import addition_prompts
+    from hpcrl.engines.digests import weights_digest
     from hpcrl.engines.native_sampler import SamplingParams
     from hpcrl.engines.torch_trainer import Samples
-    from hpcrl.rewards import answer_reward
+    from hpcrl.ragged import Ragged
+    from hpcrl.rewards import score_responses
+    from hpcrl.runtime.weight_sync import StagedWeights
 
     job, tokenizer, trainer, rollout = build(args, rollout_kind)
     params = SamplingParams(job.rollout.max_new_tokens, job.rollout.temperature)
     pool = addition_prompts(1)
     rng = random.Random(0)
+    staged = StagedWeights(pin_memory=True)
     for step in range(1, args.steps + 1):
         chosen = rng.sample(pool, args.prompts)
-        prompt_ids = [tokenizer.encode(p.text) for p in chosen for _ in range(args.group)]
+        prompt_ids = Ragged.from_rows([tokenizer.encode(p.text) for p in chosen for _ in range(args.group)], np.int32)
         answers = [p.answer for p in chosen for _ in range(args.group)]
 
         started = time.perf_counter()
-        responses, behaviour = rollout.generate(prompt_ids, params, torch.Generator().manual_seed(step))
+        out = rollout.generate(prompt_ids, params, torch.Generator().manual_seed(step))
         generate_s = time.perf_counter() - started
-        generated = sum(len(r) for r in responses)
-        if any(not r or tokenizer.eos_token_id in r[:-1] for r in responses):
-            fail(f"step {step}: the rollout returned an empty response or tokens after <eos>")
+        responses, behaviour = out.response_ids, out.logprobs
+        if (responses.lengths == 0).any() or not out.finished.all():
+            fail(f"step {step}: the rollout returned an empty or unfinished response without a deadline")
+        if any(tokenizer.eos_token_id in r[:-1] for r in responses):
+            fail(f"step {step}: the rollout returned tokens after <eos>")
 
         started = time.perf_counter()
         old = trainer.logprobs(prompt_ids, responses)
@@ -149,34 +157,43 @@ def run(args: argparse.Namespace, rollout_kind: str) -> None:
             fail(f"step {step}: trainer and rollout log-probabilities of the same tokens differ by {gap:.4f} nats "
                  f"on average (tolerance {args.tolerance})")
 
-        rewards = [answer_reward(tokenizer.decode(r), a, stopped=r[-1] == tokenizer.eos_token_id)
-                   for r, a in zip(responses, answers)]
+        rewards = score_responses(tokenizer, responses, answers)
         groups = torch.arange(len(rewards)) // args.group
-        advantages = grpo_advantages(torch.tensor(rewards), groups).tolist()
+        advantages = grpo_advantages(torch.from_numpy(rewards).float(), groups).numpy()
         samples = Samples(prompt_ids, responses,
-                          {"old_logprobs": old, "advantages": [[a] * len(r) for a, r in zip(advantages, responses)]})
-        rollout.sleep()
+                          {"old_logprobs": old, "advantages": old.with_values(np.repeat(advantages, old.lengths))})
         started = time.perf_counter()
-        metrics = trainer.train_step(samples)
+        metrics = trainer.train_step(samples, job.train.lr)
         train_s = time.perf_counter() - started
         if not all(map(lambda v: v == v and abs(v) != float("inf"), metrics.values())):
             fail(f"step {step}: non-finite training metrics {metrics}")
         moved = mean_gap(trainer.logprobs(prompt_ids, responses), old) if step == args.steps else None
-        rollout.wake()
 
+        # The sync as the runtime does it on a GPU: stage into pinned host memory, load bucket by bucket.
         started = time.perf_counter()
-        weights = list(trainer.named_weights())
-        rollout.load_weights(weights)
+        staged.stage(trainer.named_weights(), step)
+        stage_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for bucket in staged.named():
+            rollout.load_weights(bucket)
         torch.cuda.synchronize()
         sync_s = time.perf_counter() - started
-        megabytes = sum(t.numel() * t.element_size() for _, t in weights) / 2**20
-        trained_tokens = sum(len(p) + len(r) for p, r in zip(prompt_ids, responses))
-        say(f"step {step}: reward {sum(rewards) / len(rewards):.3f}  logprob gap {gap:.4f} nats  "
-            f"rollout {generated / generate_s:,.0f} tok/s  logprobs {trained_tokens / logprobs_s:,.0f} tok/s  "
-            f"train {trained_tokens / train_s:,.0f} tok/s  weight sync {sync_s * 1e3:.0f} ms ({megabytes:.1f} MiB)  "
-            f"loss {metrics['loss']:+.4f}  grad_norm {metrics.get('grad_norm', float('nan')):.3f}")
+        if rollout_kind == "native" and weights_digest(rollout.model.named_parameters()) != \
+                weights_digest(trainer.named_weights()):
+            fail(f"step {step}: the rollout's weights differ from the trainer's after the sync")
+        megabytes = sum(b.flat.nbytes for b in staged.buckets) / 2**20
+        trained_tokens = int(prompt_ids.lengths.sum() + responses.lengths.sum())
+        say(f"step {step}: reward {rewards.mean():.3f}  logprob gap {gap:.4f} nats  "
+            f"rollout {len(responses.values) / generate_s:,.0f} tok/s  logprobs {trained_tokens / logprobs_s:,.0f} "
+            f"tok/s  train {trained_tokens / train_s:,.0f} tok/s  stage {stage_s * 1e3:.0f} ms  load "
+            f"{sync_s * 1e3:.0f} ms ({megabytes:.1f} MiB)  loss {metrics['loss']:+.4f}  "
+            f"grad_norm {metrics.get('grad_norm', float('nan')):.3f}")
     say(f"the last step moved the policy by {moved:.4f} nats per token (the sync check above is meaningful "
         f"when this exceeds the tolerance {args.tolerance})")
+    cut = rollout.generate(prompt_ids, SamplingParams(job.model.max_position_embeddings - 8, job.rollout.temperature),
+                           torch.Generator().manual_seed(0), deadline=time.monotonic() + 0.05)
+    say(f"a round cut after 50 ms: {int((~cut.finished).sum())} of {len(cut.finished)} responses unfinished, "
+        f"{len(cut.response_ids.values)} tokens kept (partial rollout)")
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the megatron and vllm engines: a few GRPO steps of a tiny Qwen2 on one GPU
-# (scripts/gpu_check.py says what is checked). Two uses:
+# (scripts/gpu_check.py says what is checked), then, with two GPUs or more, `hpcrl run` with the
+# trainer and rollout on GPUs of their own (the staged, pinned weight sync; NCCL to vLLM). Two uses:
 #
 #   scripts/gpu_check.sh --prepare   here, where pip reaches PyPI: download the wheels the GPU machine
 #                                    lacks (megatron-core, pydantic; Python 3.12, x86-64) into
@@ -46,4 +47,36 @@ else
     echo "gpu_check: no wheels in $WHEELS (run scripts/gpu_check.sh --prepare and carry it): using what is installed"
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-exec "$PYTHON" scripts/gpu_check.py "$@"
+"$PYTHON" scripts/gpu_check.py "$@"
+
+# The runtime itself on two GPUs: the trainer (megatron) on one, rollout on the other, one step
+# ahead (max_staleness 1). The trainer stages its weights in pinned host memory and each push goes
+# straight to vLLM's worker over NCCL (or, for the native sampler, through host memory); the
+# controller compares the digests of the trainer and the rollout after every sync and stops the
+# run on a difference.
+GPUS=$(nvidia-smi -L | wc -l)
+if (( GPUS < 2 )); then
+    echo "gpu_check: $GPUS GPU: the runtime on separate trainer and rollout GPUs (and the NCCL push to vLLM) is NOT CHECKED"
+    exit 0
+fi
+ROLLOUT=native
+"$PYTHON" -c 'import vllm' 2>/dev/null && ROLLOUT=vllm
+RUN=$(mktemp -d /tmp/hpcrl-gpu-run.XXXXXX)
+printf 'name: gpu-check\nscheduler: local\nnodes: 1\ndevices_per_node: 2\ndevice: cuda\ndevice_memory_gb: 40\n' \
+    > "$RUN/cluster.yaml"
+"$PYTHON" -m hpcrl run jobs/tiny_grpo.yaml --cluster "$RUN/cluster.yaml" --run-dir "$RUN/run" \
+    --set train.steps=4 --set roles.actor_train.engine=megatron --set roles.actor_train.parallel.dp=1 \
+    --set roles.reference.engine=megatron --set roles.actor_infer.engine=$ROLLOUT --set log.check_weights=true \
+    --set rollout.max_staleness=1 --set log.tensorboard=false --set checkpoint.every=0 \
+    || fail "hpcrl run on 2 GPUs (rollout: $ROLLOUT) failed"
+"$PYTHON" - "$RUN/run/metrics.jsonl" <<'EOF' || fail "the 2-GPU run's metrics are wrong"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
+for r in rows:
+    assert r["digest_actor_infer"] == r["digest_actor_train"][:1], r
+print(f"gpu_check: 2-GPU run: 4 steps, rollout weights equal the trainer's after every sync; sync "
+      f"{max(r['time_sync_s'] for r in rows) * 1e3:.0f} ms at most, stage "
+      f"{max(r['time_stage_s'] for r in rows) * 1e3:.0f} ms at most")
+EOF
+echo "gpu_check: PASS: the runtime on 2 GPUs with $ROLLOUT rollout"

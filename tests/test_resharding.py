@@ -211,7 +211,7 @@ def test_named_buckets_take_tensors_as_they_come_so_the_sync_source_never_holds_
 
 
 def test_a_digest_collected_bucket_by_bucket_equals_the_digest_of_the_whole():
-    from hpcrl.runtime.weight_sync import combine_digests, tensor_digests, weights_digest
+    from hpcrl.engines.digests import combine_digests, tensor_digests, weights_digest
 
     weights = [(f"t{i}", torch.full((3,), float(i))) for i in range(4)]
     by_bucket = tensor_digests(weights[:2]) + tensor_digests(weights[2:])

@@ -185,7 +185,7 @@ def reference_synchronous_run(config, steps: int) -> list[float]:
     from hpcrl.rewards import score_responses
     from hpcrl.runtime.advantages import token_advantages
     from hpcrl.runtime.roles import sample_generator
-    from hpcrl.runtime.weight_sync import weights_digest
+    from hpcrl.engines.digests import weights_digest
 
     torch.set_num_threads(1)
     tok = CharTokenizer()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib.util
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from hpcrl.engines.native_sampler import SamplingParams
+from hpcrl.ragged import Ragged
 from hpcrl.engines.vllm_engine import llm_kwargs, request_seeds, sampled_tokens, vllm_sampling_kwargs
 
 
@@ -17,6 +19,8 @@ def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
                                   eos_id=2)
     assert kwargs == dict(n=1, max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=11, logprobs=0,
                           detokenize=False, stop_token_ids=[2], ignore_eos=False)
+    assert vllm_sampling_kwargs(SamplingParams(7), seed=0, eos_id=2, max_tokens=3)["max_tokens"] == 3, \
+        "a continued response may add only what is left of its budget"
     assert vllm_sampling_kwargs(SamplingParams(4), seed=0, eos_id=2)["top_k"] == -1, "0 means no cut: vLLM's -1"
 
 
@@ -54,9 +58,11 @@ def test_vllm_samples_with_the_logprobs_the_native_sampler_computes():
     tokenizer = CharTokenizer()
     model = build_model(ModelConfig(), tokenizer, seed=1)
     engine = VLLMEngine(model, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2, enforce_eager=True)
-    prompts = [tokenizer.encode(t) for t in ("3+4=", "12+3=", "7=")] * 4
-    responses, logprobs = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0))
-    full, _ = response_logprobs(model, pack(prompts, responses, tokenizer.pad_token_id), temperature=0.8)
-    for i, (response, row) in enumerate(zip(responses, logprobs)):
-        assert 1 <= len(response) <= 6 and tokenizer.eos_token_id not in response[:-1]
-        assert torch.allclose(full[i, : len(row)], torch.tensor(row), atol=1e-3)
+    prompts = Ragged.from_rows([tokenizer.encode(t) for t in ("3+4=", "12+3=", "7=")] * 4, np.int32)
+    out = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0),
+                          budgets=np.array([6, 2, 0] * 4))
+    full, _ = response_logprobs(model, pack(prompts, out.response_ids, tokenizer.pad_token_id), temperature=0.8)
+    assert out.finished.all() and (out.response_ids.lengths <= [6, 2, 0] * 4).all()
+    for i, (response, row) in enumerate(zip(out.response_ids, out.logprobs)):
+        assert tokenizer.eos_token_id not in response[:-1]
+        assert torch.allclose(full[i, : len(row)], torch.from_numpy(row), atol=1e-3)

@@ -10,18 +10,32 @@ engine asks for `logprobs_mode="processed_logprobs"`, the distribution after tem
 after top-k/top-p when set), which is what the trainer recomputes: log softmax(logits / T).
 With top-k or top-p the filtered distribution's log-probabilities are returned (the native
 sampler reports unfiltered ones), so the two engines agree exactly only without them.
+
+Weights: with rollout on GPUs of its own, each stage leader of the trainer broadcasts its
+buckets over an NCCL communicator straight to the TP workers of every replica, which receive on
+their own device and load bucket by bucket (`join_weight_groups`, `receive_pushed`: the
+update-weights-from-distributed pattern of verl, NeMo-RL and slime, on vLLM's stateless process
+group). Colocated with the trainer (a GPU would be in the communicator twice), the weights come
+through host memory and `collective_rpc` instead.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl.engines.native_sampler import SamplingParams
+from hpcrl.engines.digests import tensor_digests
+from hpcrl.engines.native_sampler import Generation, SamplingParams
+from hpcrl.ragged import Ragged
+
+Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 SEED_RANGE = 2**31 - 1
 
@@ -32,11 +46,13 @@ def request_seeds(generator: torch.Generator, count: int) -> list[int]:
     return torch.randint(0, SEED_RANGE, (count,), generator=generator).tolist()
 
 
-def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int) -> dict[str, Any]:
-    """vllm.SamplingParams(**these): one sample, the sampled token's log-probability, token ids only."""
+def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tokens: int | None = None
+                         ) -> dict[str, Any]:
+    """vllm.SamplingParams(**these): one sample of at most `max_tokens` (default the params'), the
+    sampled token's log-probability, token ids only."""
     return dict(
         n=1,
-        max_tokens=params.max_new_tokens,
+        max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else -1,  # -1: no top-k cut (every vLLM version)
@@ -79,21 +95,59 @@ def _load_into_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.get_model().load_weights(weights=weights)
 
 
+def _join_weight_groups(worker, groups: list[dict]) -> None:
+    """Runs inside each vLLM worker: join one NCCL communicator per trainer pipeline stage, as rank
+    `rank_offset + worker.rank` (the trainer's stage leader is rank 0 of each)."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    worker.hpcrl_weight_groups = [
+        PyNcclCommunicator(StatelessProcessGroup.create(host=g["host"], port=g["port"],
+                                                        rank=g["rank_offset"] + worker.rank,
+                                                        world_size=g["world_size"], store_timeout=g["timeout_s"]),
+                           device=worker.device)
+        for g in groups]
+
+
+def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool) -> list[tuple[str, str]]:
+    """Runs inside each vLLM worker: every stage's buckets from its communicator, on this worker's
+    own device, each loaded as it lands; returns the tensors' digests when asked."""
+    model = worker.model_runner.get_model()
+    stream = torch.cuda.current_stream()
+    digests: list[tuple[str, str]] = []
+    for group, plan in zip(worker.hpcrl_weight_groups, plans):
+        for meta in plan:
+            flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in meta), dtype=meta[0][2],
+                               device=worker.device)
+            group.broadcast(flat, src=0, stream=stream)
+            stream.synchronize()
+            tensors, start = [], 0
+            for name, shape, _ in meta:
+                count = torch.Size(shape).numel()
+                tensors.append((name, flat[start:start + count].view(shape)))
+                start += count
+            model.load_weights(weights=tensors)
+            if digest:
+                digests += tensor_digests(tensors)
+    return digests
+
+
 class VLLMEngine:
+    _request_ids = itertools.count()
+
     def __init__(self, model: torch.nn.Module, eos_id: int, seed: int, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, enforce_eager: bool = False, sleep_level: int = 1,
                  devices: Sequence[int] = ()):
         """Serve `model` (the HF model every rank builds): its config is written for vLLM, its
         weights copied in with `load_weights`. Alone in a one-rank world with TP = 1, vLLM runs
-        in this process and weights are handed over without serialisation; otherwise its engine
-        runs in child processes (their own torch.distributed world, TP workers on `devices`, the
-        local GPU indices of this replica's ranks) and weights travel pickled through `collective_rpc`."""
+        in this process; otherwise its engine runs in child processes (their own torch.distributed
+        world, TP workers on `devices`, the local GPU indices of this replica's ranks)."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         if tensor_parallel_size == 1 and alone:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # collective_rpc ships `_load_into_worker` by reference to vLLM's worker processes
+        # collective_rpc ships the functions above by reference to vLLM's worker processes
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
 
@@ -108,18 +162,58 @@ class VLLMEngine:
                                          enforce_eager))
         self.load_weights([(name, p.detach()) for name, p in model.named_parameters()])
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
-        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seed, self.eos_id))
-                    for seed in request_seeds(generator, len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=sampling,
-                                    use_tqdm=False)
-        pairs = [sampled_tokens(out.outputs[0]) for out in outputs]
-        return [ids for ids, _ in pairs], [logp for _, logp in pairs]
+    def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
+                 budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:
+        budgets = np.full(len(prompts), params.max_new_tokens) if budgets is None else budgets
+        seeds = request_seeds(generator, len(prompts))
+        rows = [i for i in range(len(prompts)) if budgets[i] > 0]
+        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seeds[i], self.eos_id, int(budgets[i])))
+                    for i in rows]
+        inputs = [{"prompt_token_ids": prompts[i].tolist()} for i in rows]
+        if deadline is None:
+            outputs = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False)
+        else:
+            outputs = self._generate_until(inputs, sampling, deadline)
+        ids, logprobs = [[] for _ in range(len(prompts))], [[] for _ in range(len(prompts))]
+        finished = np.ones(len(prompts), dtype=bool)
+        for row, out in zip(rows, outputs):
+            if out is not None:
+                ids[row], logprobs[row] = sampled_tokens(out.outputs[0])
+            finished[row] = out is not None and out.finished
+        return Generation(Ragged.from_rows(ids, np.int32), Ragged.from_rows(logprobs, np.float32), finished)
+
+    def _generate_until(self, inputs: list[dict], sampling: list, deadline: float) -> list:
+        """Step vLLM's engine until every request ends or `deadline` passes; the requests still running
+        are aborted and come back with the tokens they have (partial rollout). None: no token yet."""
+        engine = self.llm.llm_engine
+        ids = [f"hpcrl-{next(self._request_ids)}" for _ in inputs]
+        for request_id, prompt, params in zip(ids, inputs, sampling):
+            engine.add_request(request_id, prompt, params)
+        latest: dict[str, Any] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                latest[out.request_id] = out
+            if time.monotonic() > deadline:
+                engine.abort_request([r for r in ids if r not in latest or not latest[r].finished])
+                break
+        return [latest.get(r) for r in ids]
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Hand host tensors to every worker (pickled through collective_rpc): the initial weights,
+        and the sync's buckets when rollout shares its GPUs with the trainer."""
         self.llm.collective_rpc(_load_into_worker, args=(weights,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def join_weight_groups(self, groups: list[dict]) -> None:
+        """Connect every TP worker to the trainer's stage leaders (one NCCL communicator per stage:
+        host, port, rank_offset, world_size, timeout_s), once, before the first sync."""
+        self.llm.collective_rpc(_join_weight_groups, args=(groups,))
+
+    def receive_pushed(self, plans: list[list[Meta]], digest: bool) -> list[tuple[str, str]]:
+        """Receive one sync (every stage's bucket plan, in stage order) straight into the workers."""
+        digests = self.llm.collective_rpc(_receive_into_worker, args=(plans, digest))[0]
+        self.llm.reset_prefix_cache()
+        return digests
 
     def sleep(self) -> None:
         """Level 1 keeps the weights in host memory and drops the KV cache; level 2 drops both

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             peers: dict[str, object] = {}
             device = f"cuda:{layout.local_device[rank]}" if profile.device == "cuda" else "cpu"
             sync = layout.sync
+            direct = profile.device == "cuda" and sync.direct_to_vllm(layout)
             stage = sync.sources.index(rank) if rank in sync.sources else None
             sources = [(s, None if src == rank else groups.sync[s], src) for s, src in enumerate(sync.sources)
                        ] if rank in sync.loaders else []
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                                   tuple(layout.local_device[r] for r in replica),
                                   sync_stage=stage if name == "actor_train" else None,
                                   sync_send_group=groups.sync.get(stage) if name == "actor_train" else None,
-                                  sync_sources=sources if name == "actor_infer" else [])
+                                  sync_sources=sources if name == "actor_infer" else [],
+                                  sync_loaders=tuple(sync.loaders), sync_direct=direct)
                 peers[name] = ROLE_CLASSES[name](ctx)
             serve(peers, groups.replica)
             code = 0

@@ -25,6 +25,7 @@ import numpy as np
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
+from hpcrl.engines.digests import combine_digests
 from hpcrl.engines.lr_schedule import learning_rate
 from hpcrl.metrics import StepRecorder
 from hpcrl.ragged import Ragged
@@ -37,7 +38,6 @@ from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, busy, run, wa
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN, TAG_SYNC
 from hpcrl.runtime.off_policy import off_policy_columns
-from hpcrl.runtime.weight_sync import combine_digests
 
 
 class Busy:

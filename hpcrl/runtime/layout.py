@@ -89,6 +89,13 @@ class SyncLayout:
         source = self.sources[stage]
         return [source] + [r for r in self.loaders if r != source]
 
+    def direct_to_vllm(self, layout: WorldLayout) -> bool:
+        """Whether (on GPUs) the stage leaders send straight to vLLM's TP workers over NCCL: when
+        rollout is vLLM on devices of its own. Sharing devices with the trainer, a GPU would be in
+        the NCCL communicator twice, so the weights go through host memory instead."""
+        infer, train = layout.roles["actor_infer"], layout.roles["actor_train"]
+        return infer.engine == "vllm" and not set(infer.ranks) & set(train.ranks)
+
 
 @dataclass(frozen=True)
 class WorldLayout:

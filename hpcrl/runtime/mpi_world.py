@@ -97,7 +97,7 @@ def report_and_wait(role: str, method: str) -> None:
     abort(report.describe())
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
@@ -109,7 +109,7 @@ def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
 
     address = None
     if COMM.Get_rank() == CONTROLLER:
-        address = (socket.gethostname() if COMM.Get_size() > 1 else "127.0.0.1", _free_port())
+        address = (socket.gethostname() if COMM.Get_size() > 1 else "127.0.0.1", free_port())
     host, port = COMM.bcast(address, root=CONTROLLER)
     if _same_host_everywhere():
         host = "127.0.0.1"

@@ -1,6 +1,7 @@
 """The roles a worker rank can host. Each public method is callable by the controller."""
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -13,13 +14,14 @@ from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import build_model
 from hpcrl.engines.native_sampler import Generation, NativeSampler, SamplingParams
 from hpcrl.engines.base import TrainingEngine
+from hpcrl.engines.digests import combine_digests, tensor_digests, weights_digest
 from hpcrl.engines.registry import generation_engine, training_engine
 from hpcrl.engines.torch_trainer import Samples
 from hpcrl.ragged import Batch
 from hpcrl.rewards import score_responses
 from hpcrl.runtime.faults import decode_delay_s
-from hpcrl.runtime.weight_sync import (Source, StagedWeights, WeightReceiver, WeightServer, combine_digests,
-                                       tensor_digests, weights_digest)
+from hpcrl.runtime.mpi_world import free_port
+from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, WeightServer, receive_plan
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class RoleContext:
     sync_stage: int | None = None
     sync_send_group: dist.ProcessGroup | None = None
     sync_sources: list[tuple[int, dist.ProcessGroup | None, int]] = field(default_factory=list)  # (stage, group, src)
+    sync_loaders: tuple[int, ...] = ()   # every rank that loads weights, in the sync groups' order
+    sync_direct: bool = False            # vLLM on GPUs of its own: its TP workers receive over NCCL
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
@@ -66,7 +70,8 @@ class ActorTrain:
         if ctx.sync_stage is not None:
             self.staged = StagedWeights(pin_memory=ctx.device.startswith("cuda"))
             if ctx.sync_send_group is not None:
-                self.server = WeightServer(self.staged, ctx.sync_send_group)
+                address = _vllm_address(ctx) if ctx.sync_direct else None
+                self.server = WeightServer(self.staged, ctx.sync_send_group, ctx.device, address)
 
     def logprobs(self, batch: Batch) -> Batch | None:
         logprobs = self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])
@@ -99,6 +104,16 @@ class ActorTrain:
 
     def load(self, checkpoint_dir: Path) -> None:
         self.trainer.load_state(checkpoint_dir / "actor_train")
+
+
+def _vllm_address(ctx: RoleContext) -> dict:
+    """Where vLLM's TP workers meet this stage leader (rank 0) for NCCL, told to the replica leaders
+    over the stage's sync group: the ranks after 0 go to the loaders' workers in loader order."""
+    address = {"host": socket.gethostname(), "port": free_port(), "loaders": list(ctx.sync_loaders),
+               "tp": ctx.job.roles.actor_infer.parallel.tp, "timeout_s": ctx.job.rollout.sync_timeout_s}
+    address["world_size"] = 1 + address["tp"] * len(ctx.sync_loaders)
+    dist.broadcast_object_list([address], src=dist.get_rank(), group=ctx.sync_send_group)
+    return address
 
 
 def _digesting(weights: Iterable[tuple[str, torch.Tensor]], into: list[tuple[str, str]]
@@ -144,6 +159,15 @@ class ActorInfer:
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
         self.receiver = WeightReceiver(getattr(self.engine, "landing_buffer", None))
+        if ctx.sync_direct and ctx.sync_sources:   # a vLLM replica leader: connect its workers to every stage
+            rank = dist.get_rank()
+            groups = []
+            for _, group, src in ctx.sync_sources:
+                holder: list = [None]
+                dist.broadcast_object_list(holder, src=src, group=group)
+                address = holder[0]
+                groups.append({**address, "rank_offset": 1 + address["tp"] * address["loaders"].index(rank)})
+            self.engine.join_weight_groups(groups)
 
     def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch | None:
         """One round: a response (or its continuation) per row, each within its `budgets` entry of
@@ -159,10 +183,14 @@ class ActorInfer:
     def receive_weights(self, digest: bool) -> str | None:
         """Load the pushed weights, every trainer stage at once, bucket by bucket; with `digest`, the
         digest of what was loaded (the native model itself; for vLLM what it was handed)."""
+        if self.ctx.sync_direct:   # vLLM's workers receive every stage over NCCL, on their own GPUs
+            plans = [receive_plan(group, src) for _, group, src in self.ctx.sync_sources]
+            digests = self.engine.receive_pushed(plans, digest) if self.engine is not None else []
+            return combine_digests(digests) if digest else None
         local = self.ctx.peers.get("actor_train")
         sources = [Source(local=local.staged) if group is None else Source(group, src)
                    for _, group, src in self.ctx.sync_sources]
-        digests: list[tuple[str, str]] = []
+        digests = []
         native = isinstance(self.engine, NativeSampler)
         for bucket, landed in self.receiver.receive(sources):
             if self.engine is not None and not landed:

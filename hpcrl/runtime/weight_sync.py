@@ -16,7 +16,6 @@ the training stream's NCCL communicators.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -82,9 +81,14 @@ class StagedWeights:
             yield bucket.tensors()
 
 
-def push(staged: StagedWeights, group: dist.ProcessGroup, src: int) -> int:
-    """Broadcast the staged buckets from `src` over `group` (the other side is `receive`)."""
+def push(staged: StagedWeights, group: dist.ProcessGroup, src: int, device: DeviceChannel | None = None) -> int:
+    """Send the staged buckets from `src`: their plan over `group`, then the buckets over `group`
+    (host memory, to `WeightReceiver.receive`) or over the `device` channel (GPU to vLLM's TP
+    workers, to `VLLMEngine.receive_pushed`)."""
     dist.broadcast_object_list([[b.meta for b in staged.buckets]], src=src, group=group)
+    if device is not None:
+        device.send(staged)
+        return sum(b.flat.nbytes for b in staged.buckets)
     works: deque = deque()
     for bucket in staged.buckets:
         works.append(dist.broadcast(bucket.flat, src=src, group=group, async_op=True))
@@ -93,6 +97,47 @@ def push(staged: StagedWeights, group: dist.ProcessGroup, src: int) -> int:
     for work in works:
         work.wait()
     return sum(b.flat.nbytes for b in staged.buckets)
+
+
+class DeviceChannel:
+    """A stage leader's NCCL communicator with vLLM's TP workers (their stateless process group:
+    the leader is rank 0), and two device buffers: one bucket is copied in from pinned host memory
+    on one stream while the previous one is broadcast on another."""
+
+    def __init__(self, address: dict, device: torch.device):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        self.device = device
+        group = StatelessProcessGroup.create(host=address["host"], port=address["port"], rank=0,
+                                             world_size=address["world_size"], store_timeout=address["timeout_s"])
+        self.comm = PyNcclCommunicator(group, device=device)
+        self.copy_stream, self.send_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8, device=device)] * 2
+
+    def send(self, staged: StagedWeights) -> None:
+        free = [torch.cuda.Event(), torch.cuda.Event()]
+        for index, bucket in enumerate(staged.buckets):
+            slot = index % 2
+            if self.buffers[slot].numel() < bucket.flat.nbytes:
+                self.buffers[slot] = torch.empty(bucket.flat.nbytes, dtype=torch.uint8, device=self.device)
+            target = self.buffers[slot][:bucket.flat.nbytes].view(bucket.flat.dtype)
+            copied = torch.cuda.Event()
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(free[slot])     # the broadcast two buckets back is done
+                target.copy_(bucket.flat, non_blocking=True)
+                copied.record(self.copy_stream)
+            self.send_stream.wait_event(copied)
+            self.comm.broadcast(target, src=0, stream=self.send_stream)
+            free[slot].record(self.send_stream)
+        self.send_stream.synchronize()
+
+
+def receive_plan(group: dist.ProcessGroup, src: int) -> list[Meta]:
+    """The bucket plan a push starts with (the other side of push's first broadcast)."""
+    holder: list = [None]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
 
 
 @dataclass
@@ -134,12 +179,8 @@ class WeightReceiver:
             if source.local is not None:
                 for bucket in source.local.named():
                     yield bucket, False
-        streams = []
-        for stage, source in enumerate(sources):
-            if source.local is None:
-                holder: list = [None]
-                dist.broadcast_object_list(holder, src=source.src, group=source.group)
-                streams.append(_Stream(stage, source, deque(holder[0])))
+        streams = [_Stream(stage, source, deque(receive_plan(source.group, source.src)))
+                   for stage, source in enumerate(sources) if source.local is None]
         for stream in streams:
             for _ in range(min(IN_FLIGHT, len(stream.plan))):
                 self._post(stream)
@@ -177,16 +218,28 @@ class _Stream:
 
 class WeightServer:
     """The thread on a stage leader that answers the controller's pushes (MPI tag TAG_SYNC), so a
-    push runs while the trainer's main thread trains the next batch."""
+    push runs while the trainer's main thread trains the next batch. With `vllm_address` (rollout
+    is vLLM on GPUs of its own) it first connects to vLLM's TP workers and pushes over NCCL."""
 
-    def __init__(self, staged: StagedWeights, group: dist.ProcessGroup):
+    def __init__(self, staged: StagedWeights, group: dist.ProcessGroup, device: str = "cpu",
+                 vllm_address: dict | None = None):
         self.staged = staged
         self.group = group
+        self.device = torch.device(device)
+        self.vllm_address = vllm_address
         self.thread = threading.Thread(target=self._serve, name="hpcrl-weight-server", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         rank = COMM.Get_rank()
+        channel = None
+        try:
+            if self.vllm_address is not None:
+                torch.cuda.set_device(self.device)
+                channel = DeviceChannel(self.vllm_address, self.device)
+        except BaseException:
+            report_and_wait("actor_train", "connect to vLLM's workers")
+            return
         while True:
             call, _, _ = poll_recv(source=CONTROLLER, tag=TAG_SYNC)
             assert isinstance(call, Call)
@@ -199,29 +252,8 @@ class WeightServer:
                 if self.staged.version != version:
                     raise RuntimeError(f"asked to push policy version {version}, but version "
                                        f"{self.staged.version} is staged")
-                moved = push(self.staged, self.group, rank)
+                moved = push(self.staged, self.group, rank, channel)
             except BaseException:
                 report_and_wait("actor_train", "push")
                 return
             send(Reply(call.call_id, moved), CONTROLLER, TAG_REPLY)
-
-
-# ---- digests -------------------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def tensor_digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
-    """(name, SHA-256 of the bytes) of every tensor: collect them bucket by bucket, then combine."""
-    return [(name, hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
-            for name, t in named]
-
-
-def combine_digests(per_tensor: list[tuple[str, str]]) -> str | None:
-    """One digest over (name, digest) pairs in name order (None for no tensors): equal digests mean
-    bit-identical weights, whatever order or sharding the engine holding them iterates in."""
-    if not per_tensor:
-        return None
-    return hashlib.sha256("".join(f"{n}={d};" for n, d in sorted(per_tensor)).encode()).hexdigest()
-
-
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    return combine_digests(tensor_digests(named))
