@@ -16,7 +16,7 @@ from statistics import fmean
 
 from hpcrl.metrics import read_metrics
 
-STAGES = ("rollout", "reward", "logprobs", "train", "sync")
+STAGES = ("rollout", "reward", "logprobs", "train", "stage", "sync")
 
 
 def main() -> int:

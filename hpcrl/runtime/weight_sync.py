@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from hpcrl.engines.base import NamedTensors
 from hpcrl.engines.resharding import DEFAULT_BUCKET_BYTES, Meta, named_buckets
-from hpcrl.runtime.faults import maybe_fail
-from hpcrl.runtime.messages import SHUTDOWN, TAG_REPLY, TAG_SYNC, Call, Reply
-from hpcrl.runtime.mpi_world import COMM, CONTROLLER, poll_recv, report_and_wait, send
+from hpcrl.runtime.messages import TAG_SYNC
+from hpcrl.runtime.mpi_world import report_and_wait
+from hpcrl.runtime.worker import serve
 
 IN_FLIGHT = 2   # buckets per stage on the wire at once: one lands while the next is sent
 
@@ -231,7 +231,6 @@ class WeightServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        rank = COMM.Get_rank()
         channel = None
         try:
             if self.vllm_address is not None:
@@ -240,20 +239,18 @@ class WeightServer:
         except BaseException:
             report_and_wait("actor_train", "connect to vLLM's workers")
             return
-        while True:
-            call, _, _ = poll_recv(source=CONTROLLER, tag=TAG_SYNC)
-            assert isinstance(call, Call)
-            if call.method == SHUTDOWN:
-                send(Reply(call.call_id, None), CONTROLLER, TAG_REPLY)
-                return
-            try:
-                maybe_fail(rank, "push")
-                version, = call.args
-                if self.staged.version != version:
-                    raise RuntimeError(f"asked to push policy version {version}, but version "
-                                       f"{self.staged.version} is staged")
-                moved = push(self.staged, self.group, rank, channel)
-            except BaseException:
-                report_and_wait("actor_train", "push")
-                return
-            send(Reply(call.call_id, moved), CONTROLLER, TAG_REPLY)
+        serve({"actor_train": _Pusher(self.staged, self.group, channel)}, tag=TAG_SYNC)
+
+
+@dataclass
+class _Pusher:
+    """What the weight server's thread answers: push the staged version the controller names."""
+
+    staged: StagedWeights
+    group: dist.ProcessGroup
+    channel: DeviceChannel | None
+
+    def push(self, version: int) -> int:
+        if self.staged.version != version:
+            raise RuntimeError(f"asked to push policy version {version}, but version {self.staged.version} is staged")
+        return push(self.staged, self.group, dist.get_rank(), self.channel)

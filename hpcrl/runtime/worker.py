@@ -36,15 +36,18 @@ class RankHost:
         load_rng(Path(path), COMM.Get_rank())
 
 
-def serve(roles: dict[str, Any], replicas: Mapping[str, tuple[dist.ProcessGroup, int]]) -> None:
-    """Answer calls until the controller says shutdown. An exception is reported, then the world aborts.
+def serve(roles: dict[str, Any], replicas: Mapping[str, tuple[dist.ProcessGroup, int]] | None = None,
+          tag: int = TAG_CALL) -> None:
+    """Answer calls on `tag` until the controller says shutdown. An exception is reported, then the
+    world aborts. (The main thread serves TAG_CALL; a weight server's thread serves TAG_SYNC.)
 
     `replicas`: for each hosted role whose model replica spans several ranks, the replica's group
     and its data leader: a split call's batch arrives at the leader and is broadcast from there.
     """
     roles = {"*": RankHost(roles), **roles}
+    replicas = replicas or {}
     while True:
-        call, _, _ = poll_recv(source=CONTROLLER, tag=TAG_CALL)
+        call, _, _ = poll_recv(source=CONTROLLER, tag=tag)
         assert isinstance(call, Call)
         if call.method == SHUTDOWN:
             send(Reply(call.call_id, None), CONTROLLER, TAG_REPLY)
