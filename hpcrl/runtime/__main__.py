@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcrl.data import load_tokenizer
     from hpcrl.runtime.groups import build_process_groups
-    from hpcrl.runtime.mpi_world import init_torch_distributed, set_cpu_threads
+    from hpcrl.runtime.mpi_world import init_torch_distributed, set_cpu_threads, wait_sends
     from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
 
     rank = COMM.Get_rank()
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 peers[name] = ROLE_CLASSES[name](ctx)
             serve(peers, groups.replica)
             code = 0
+        wait_sends()
         dist.destroy_process_group()
         return code
     except BaseException:

@@ -90,8 +90,8 @@ class Controller:
         self.servers = WorkerGroup("actor_train", [src for stage, src in enumerate(sync.sources)
                                                    if len(sync.members(stage)) > 1], tag=TAG_SYNC)
         self.loaders = WorkerGroup("actor_infer", sync.loaders)
-        self.replica_leaders = {name: [role.stage_leaders(d) for d in range(role.dp_size)]
-                                for name, role in layout.roles.items()}
+        trainer = layout.roles["actor_train"]
+        self.trainer_replicas = [trainer.stage_leaders(d) for d in range(trainer.dp_size)]  # their stage leaders
         self.sampler = ResumableSampler(load_prompts(job), seed=job.seed)
         self.scheduler = RolloutScheduler(job, self.sampler, tokenizer.encode)
         self.preemption = preemption
@@ -206,7 +206,7 @@ class Controller:
         """Every trainer replica's digest (over its stage leaders' tensors) must be the same."""
         by_rank = dict(zip(self.groups["actor_train"].ranks, digests))
         replicas = [combine_digests([pair for rank in leaders for pair in by_rank[rank]])
-                    for leaders in self.replica_leaders["actor_train"]]
+                    for leaders in self.trainer_replicas]
         if len(set(replicas)) != 1:
             raise RuntimeError(f"trainer replicas diverged: actor_train digests {replicas}")
         self.digests = {"digest_actor_train": replicas}

@@ -22,6 +22,7 @@ CONTROLLER = 0
 
 _PICKLE = MPI.Pickle()
 _SEND_LOCK = threading.Lock()   # a framed message's parts leave together, whichever thread sends
+_SENDING: list[tuple[list[MPI.Request], tuple]] = []   # sends in progress, and the buffers they read
 
 
 @dataclass
@@ -38,19 +39,34 @@ TRAFFIC = Traffic()
 def send(obj: Any, dest: int, tag: int) -> int:
     """Send `obj` as one framed message: its pickle (protocol 5) and, out of band, every buffer it
     holds (numpy arrays: token columns) as raw MPI messages, with no copy into the pickle. Returns
-    the bytes sent. Thread-safe: the worker's weight server replies from its own thread."""
+    the bytes sent, at once: the sends are non-blocking (a large message to a busy rank would
+    otherwise hold the controller until that rank reads it); `poll_recv` completes them.
+    Thread-safe: the worker's weight server replies from its own thread."""
     data, buffers = _PICKLE.dumps_oob(obj)
     views = [memoryview(b).cast("B") for b in buffers]
     header = np.array([len(data)] + [v.nbytes for v in views], dtype=np.int64)
     with _SEND_LOCK:
-        COMM.Send(header, dest=dest, tag=tag)
-        COMM.Send(data, dest=dest, tag=tag)
-        for view in views:
-            COMM.Send(view, dest=dest, tag=tag)
+        requests = [COMM.Isend(part, dest=dest, tag=tag) for part in (header, data, *views)]
+        _SENDING.append((requests, (header, data, views)))
         sent = header.nbytes + int(header.sum())
         TRAFFIC.bytes += sent
         TRAFFIC.messages += 1
+    _progress()
     return sent
+
+
+def _progress() -> None:
+    """Let go of the sends that have completed (and of the buffers they kept alive)."""
+    with _SEND_LOCK:
+        _SENDING[:] = [(requests, kept) for requests, kept in _SENDING if not MPI.Request.Testall(requests)]
+
+
+def wait_sends() -> None:
+    """Complete every send in progress (before the world ends)."""
+    with _SEND_LOCK:
+        for requests, _ in _SENDING:
+            MPI.Request.Waitall(requests)
+        _SENDING.clear()
 
 
 def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any, int, int]:
@@ -68,6 +84,8 @@ def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any
         message = COMM.Improbe(source=source, tag=tag, status=status)
         if message is not None:
             break
+        if _SENDING:
+            _progress()
         time.sleep(delay)
         delay = min(delay * 2, 5e-3)
     source, tag = status.Get_source(), status.Get_tag()
@@ -93,7 +111,10 @@ def report_and_wait(role: str, method: str) -> None:
     """
     report = ErrorReport(COMM.Get_rank(), role, method, traceback.format_exc())
     send(report, CONTROLLER, TAG_ERROR)
-    time.sleep(20)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:   # keep the report's send going while the controller reads it
+        _progress()
+        time.sleep(0.05)
     abort(report.describe())
 
 

@@ -21,7 +21,7 @@ from hpcrl.ragged import Batch
 from hpcrl.rewards import score_responses
 from hpcrl.runtime.faults import decode_delay_s
 from hpcrl.runtime.mpi_world import free_port
-from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, WeightServer, receive_plan
+from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, WeightServer, receive_object
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,7 @@ class ActorInfer:
             rank = dist.get_rank()
             groups = []
             for _, group, src in ctx.sync_sources:
-                holder: list = [None]
-                dist.broadcast_object_list(holder, src=src, group=group)
-                address = holder[0]
+                address = receive_object(group, src)
                 groups.append({**address, "rank_offset": 1 + address["tp"] * address["loaders"].index(rank)})
             self.engine.join_weight_groups(groups)
 
@@ -184,7 +182,7 @@ class ActorInfer:
         """Load the pushed weights, every trainer stage at once, bucket by bucket; with `digest`, the
         digest of what was loaded (the native model itself; for vLLM what it was handed)."""
         if self.ctx.sync_direct:   # vLLM's workers receive every stage over NCCL, on their own GPUs
-            plans = [receive_plan(group, src) for _, group, src in self.ctx.sync_sources]
+            plans = [receive_object(group, src) for _, group, src in self.ctx.sync_sources]
             digests = self.engine.receive_pushed(plans, digest) if self.engine is not None else []
             return combine_digests(digests) if digest else None
         local = self.ctx.peers.get("actor_train")

@@ -7,12 +7,15 @@ Two halves, so that neither side waits on the other's work:
   the next batch.
 - **push** (when rollout is between rounds): each stage leader's *weight server*, a thread of its
   own, broadcasts the staged buckets over its stage's sync group to every rank that loads weights,
-  all stages at once, two buckets in flight per stage; loaders load bucket by bucket as they land.
-  A loader that is itself a stage's leader (colocated) takes that stage from its own host copy.
+  all stages at once, two buckets in flight per stage; loaders load bucket by bucket as they land
+  (the native sampler receives straight into its weights). A loader that is itself a stage's
+  leader (colocated) takes that stage from its own host copy.
 So no collective ever waits for a generation round or a train step to end: a push is started only
 when its loaders are idle, and the sync groups get their own timeout (`rollout.sync_timeout_s`).
-The groups are gloo (host memory): a staged copy lives in host memory, and a thread may not share
-the training stream's NCCL communicators.
+The groups are gloo (host memory): a staged copy lives in host memory, and the server's thread
+must not share the training stream's NCCL communicators. The one exception is vLLM on GPUs of its
+own: the buckets then go from pinned memory over an NCCL communicator of their own straight to
+vLLM's TP workers (`DeviceChannel`); only the bucket plan travels over gloo.
 """
 from __future__ import annotations
 
@@ -133,8 +136,9 @@ class DeviceChannel:
         self.send_stream.synchronize()
 
 
-def receive_plan(group: dist.ProcessGroup, src: int) -> list[Meta]:
-    """The bucket plan a push starts with (the other side of push's first broadcast)."""
+def receive_object(group: dist.ProcessGroup, src: int):
+    """What `src` broadcasts over `group` as an object: a push's bucket plan (push's first
+    broadcast), or where a stage leader meets vLLM's workers."""
     holder: list = [None]
     dist.broadcast_object_list(holder, src=src, group=group)
     return holder[0]
@@ -179,7 +183,7 @@ class WeightReceiver:
             if source.local is not None:
                 for bucket in source.local.named():
                     yield bucket, False
-        streams = [_Stream(stage, source, deque(receive_plan(source.group, source.src)))
+        streams = [_Stream(stage, source, deque(receive_object(source.group, source.src)))
                    for stage, source in enumerate(sources) if source.local is None]
         for stream in streams:
             for _ in range(min(IN_FLIGHT, len(stream.plan))):
