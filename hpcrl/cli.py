@@ -1,4 +1,4 @@
-"""The `hpcrl` command line: plan, run, submit, status, report."""
+"""The `hpcrl` command line: plan, run, submit, status, cancel, report."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from hpcrl.config import ConfigError, load_job, load_profile
-from hpcrl.config.constants import EXIT_REQUEUE
+from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED
 
 EPILOG = """\
 examples:
@@ -16,6 +16,7 @@ examples:
   hpcrl plan jobs/qwen2.5-7b-grpo.yaml --cluster clusters/example-4x8-h100.yaml
   hpcrl submit jobs/tiny_grpo.yaml --cluster clusters/slurm-local.yaml --dry-run
   hpcrl status                                       # every run under runs/
+  hpcrl cancel runs/tiny-grpo                        # stop it (here or in Slurm) after a checkpoint
   hpcrl report runs/tiny-grpo                        # reward curve -> runs/tiny-grpo/report.png
 
 A job YAML describes the experiment and runs unchanged on any cluster profile; the profile
@@ -49,17 +50,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from hpcrl.launch.local import run_local
+    from hpcrl.launch.lock import RunLockError
 
     job, profile, plan = _load(args)
     if profile.scheduler != "local":
         raise ConfigError(args.cluster, [f"scheduler is {profile.scheduler!r}: use `hpcrl submit` for it, "
                                          "or `hpcrl run` with a local profile"])
     run_dir = Path(args.run_dir or Path("runs") / job.name)
-    code = run_local(job, profile, args.cluster, plan, run_dir)
+    try:
+        code = run_local(job, profile, args.cluster, plan, run_dir)
+    except RunLockError as exc:
+        print(f"hpcrl: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     if code == 0:
         print(f"hpcrl: done. Metrics: {run_dir / 'metrics.jsonl'}; plot them with `hpcrl report {run_dir}`")
-    elif code == EXIT_REQUEUE:
-        print("hpcrl: stopped by a signal after saving a checkpoint; the same command resumes it", file=sys.stderr)
+    elif code in (EXIT_REQUEUE, EXIT_STOPPED):
+        print("hpcrl: stopped as asked after saving a checkpoint; the same command resumes it", file=sys.stderr)
+    elif code == EXIT_REFUSED:
+        print("hpcrl: the run refused to start; the reason is printed above", file=sys.stderr)
     else:
         print(f"hpcrl: the run failed (exit code {code}); the cause is printed above by rank 0", file=sys.stderr)
     return code
@@ -85,9 +93,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if (submission.run_root / "metrics.jsonl").exists() and submission.kind != "sweep":
         print(f"hpcrl: note: {submission.run_root} already holds a run: the job resumes from its newest "
               "checkpoint there (use --run-dir for a fresh run)")
-    submission.write()
     try:
-        job_id = submission.sbatch()
+        job_id = submission.submit()
     except SubmitError as exc:
         print(f"hpcrl: error: {exc}", file=sys.stderr)
         return 1
@@ -99,6 +106,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     from hpcrl.launch.status import status_main
 
     return status_main(args.run_dirs, as_json=args.json)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from hpcrl.launch.cancel import CancelError, cancel
+
+    try:
+        print(f"hpcrl: {cancel(args.run_dir)}")
+    except CancelError as exc:
+        print(f"hpcrl: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -148,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories (default: every run under runs/)")
     status.add_argument("--json", action="store_true", help="print the rows as JSON")
     status.set_defaults(func=cmd_status)
+
+    cancel = sub.add_parser("cancel", help="stop a run, here or in Slurm, after it saves a checkpoint",
+                            description="Stop the run that holds RUN_DIR (its .hpcrl.lock says who): a Slurm job is "
+                            "cancelled with scancel (its ranks save a checkpoint if they can within KillWait; it is "
+                            "not requeued), an `hpcrl run` here saves at the end of the current step and stops. "
+                            "Running `hpcrl run` or `hpcrl submit` on RUN_DIR again resumes it.")
+    cancel.add_argument("run_dir", help="the run directory, e.g. runs/tiny-grpo")
+    cancel.set_defaults(func=cmd_cancel)
 
     report = sub.add_parser("report", help="plot a run's reward curve to report.png",
                             description="Read RUN_DIR/metrics.jsonl, print a summary, write RUN_DIR/report.png.")

@@ -51,7 +51,8 @@ GOLDEN_CASES = {
 def golden_text(job: str, profile: str, overrides: list[str], chain: int) -> str:
     name = load_job(REPO / job).name
     submission = prepare_submission(job, profile, overrides, chain=chain, run_dir=f"/scratch/runs/{name}", cwd=REPO)
-    return submission.script.replace(sys.executable, GOLDEN_PYTHON).replace(str(REPO), GOLDEN_REPO)
+    text = submission.script.replace(sys.executable, GOLDEN_PYTHON).replace(str(REPO), GOLDEN_REPO)
+    return text.replace(submission.spec.lock_token, "0" * 32)   # new for every submission
 
 
 @pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
@@ -85,11 +86,12 @@ def test_slurm_local_script_starts_the_planned_world():
     text = sub.script
     assert sub.plan.world_size == 4
     for line in ("#SBATCH --job-name=tiny-grpo", "#SBATCH --partition=debug", "#SBATCH --nodes=1",
-                 "#SBATCH --ntasks=4", "#SBATCH --cpus-per-task=1", "#SBATCH --signal=B:USR1@60",
+                 "#SBATCH --ntasks=4", "#SBATCH --cpus-per-task=1", "#SBATCH --signal=B:USR2@60",
                  "#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --output=/scratch/runs/t/slurm-%j.out",
                  f"#SBATCH --chdir={REPO}", f"EXIT_REQUEUE={EXIT_REQUEUE}", "MAX_RESTARTS=1", "RANKS_PER_NODE=(4)",
-                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'hpcrl_forward USR1' USR1",
-                 "trap 'hpcrl_forward TERM' TERM"):
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'hpcrl_warning USR2' USR2",
+                 "trap 'hpcrl_warning USR1' USR1", "trap 'hpcrl_stop' TERM",
+                 f"export HPCRL_RUN_LOCK={sub.spec.lock_token}", "--kill-on-bad-exit=1 --wait=15"):
         assert line in text.splitlines() or line in text, line
     assert "--gpus-per-node" not in text and "--array" not in text
     # the step: srun with the profile's MPI plugin, the plan's world size, the explicit host list, in background

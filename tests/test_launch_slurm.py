@@ -5,11 +5,11 @@ Two kinds of test:
 - The real thing: tiny GRPO runs (1 controller + workers, torch on CPU) submitted with the command
   line, as one job, as a 3-task sweep array and as a 2-link chain. They are submitted together by one
   fixture, so that they share the node's 8 CPUs, and each test then waits for its own.
-- The batch script's side of the preemption contract (signal forwarding, requeue on exit 99, restarts
-  after failures, chain links), driven by a STAND-IN for `python -m hpcrl.runtime`: a small bash
-  program given as the profile's `python`. It trains nothing: it behaves as the contract says the
-  runtime behaves (checkpoint file, exit 99 on SIGUSR1, resume on restart), in a second, so that
-  the script's logic is tested in seconds and independently of the runtime's progress.
+- The batch script's side of the preemption contract (the warning's request in RUN_DIR/control, requeue
+  on exit 99, restarts after failures, chain links), driven by a STAND-IN for `python -m hpcrl.runtime`:
+  a small bash program given as the profile's `python`. It trains nothing: it behaves as the contract
+  says the runtime behaves (checkpoint file, exit 99 on a requeue request, resume on restart), in a
+  second, so that the script's logic is tested in seconds and independently of the runtime's progress.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ TINY = REPO / "jobs" / "tiny_grpo.yaml"
 SLURM_LOCAL = REPO / "clusters" / "slurm-local.yaml"
 FAST = ["--set", "train.prompts_per_step=4", "--set", "log.tensorboard=false"]
 
-# The runtime saves a checkpoint on SIGUSR1/SIGTERM, exits with EXIT_REQUEUE (99) and resumes from the newest
+# The runtime saves a checkpoint on a warning (USR1/USR2), exits with EXIT_REQUEUE (99) and resumes from the newest
 # checkpoint in its run directory, so the chain test interrupts link 0 and checks that link 1 continued from
 # its checkpoint. HPCRL_TEST_RUNTIME_RESUME=0 falls back to checking only the order of the links (for a
 # runtime without resume).
@@ -109,7 +109,8 @@ def real_runs(slurm_env, tmp_path_factory):
 
 
 def interrupt_after_first_step(run_dir: Path, job_id: str, slurm_env, timeout: float = 300) -> None:
-    """Send the batch script of `job_id` SIGUSR1 (as --signal=B:USR1 would) once metrics.jsonl has a step."""
+    """Send the batch script of `job_id` SIGUSR1 (by hand, as a user asks for a checkpoint) once metrics.jsonl
+    has a step."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -184,6 +185,7 @@ def test_chain_links_run_one_after_another(real_runs, slurm_env):
 
 STAND_IN = r"""#!/bin/bash
 # STAND-IN for `python -m hpcrl.runtime` (see the module docstring): one process per rank.
+[ "$2" = hpcrl.launch.shm ] && exit 0   # the batch script's clean-up step after the ranks: nothing to clean here
 run_dir=""
 args=("$@")
 while [ $# -gt 0 ]; do case "$1" in --run-dir) run_dir=$2; shift 2 ;; *) shift ;; esac; done
@@ -194,18 +196,16 @@ cd "$run_dir" || exit 2
 [ "$rank" = 0 ] && printf '%s\0' "${args[@]}" >argv
 printf '%s' "$HOSTILE" >"hostile.$rank"
 echo "rank $rank restart $restart link $link mode $STANDIN_MODE" >>standin.log
-wait_for_usr1() {
-  got=""
-  trap 'got=1' USR1
+wait_for_requeue() {   # the batch script writes the warning's request into RUN_DIR/control
   touch "ready.$rank.$restart.$link"
-  for _ in $(seq 1 600); do [ -n "$got" ] && return 0; sleep 0.1; done
-  echo "rank $rank: no SIGUSR1 arrived" >>standin.log
+  for _ in $(seq 1 600); do [ "$(cut -d' ' -f1 control 2>/dev/null)" = requeue ] && return 0; sleep 0.1; done
+  echo "rank $rank: no requeue request arrived" >>standin.log
   exit 1
 }
 case "$STANDIN_MODE" in
-  preempt)   # first run: checkpoint on SIGUSR1 and exit 99; after the requeue: resume and finish
+  preempt)   # first run: checkpoint on the warning and exit 99; after the requeue: resume and finish
     if [ "$restart" = 0 ]; then
-      wait_for_usr1
+      wait_for_requeue
       [ "$rank" = 0 ] && echo "saved by restart 0" >checkpoint
       exit 99
     fi
@@ -215,7 +215,7 @@ case "$STANDIN_MODE" in
   fail-always) [ "$rank" = 0 ] && exit 3; exit 0 ;;
   chain)     # link 0 is interrupted; link 1 continues from its checkpoint
     if [ "$link" = 0 ]; then
-      wait_for_usr1
+      wait_for_requeue
       [ "$rank" = 0 ] && echo "saved by link 0" >checkpoint
       exit 99
     fi
@@ -234,7 +234,7 @@ def stand_in_profile(tmp_path: Path, mode: str, launcher: str = "srun", max_rest
     program.parent.mkdir(parents=True, exist_ok=True)
     program.write_text(STAND_IN)
     program.chmod(0o755)
-    slurm = {"partition": "debug", "time": "00:05:00", "signal": "B:USR1@60", "mpi": "pmi2", "launcher": launcher,
+    slurm = {"partition": "debug", "time": "00:05:00", "signal": "B:USR2@60", "mpi": "pmi2", "launcher": launcher,
              "python": str(program), "straggler_timeout": 30, "env": {"STANDIN_MODE": mode, "HOSTILE": HOSTILE}}
     if launcher == "mpiexec":
         slurm["mpiexec"] = str(Path(sys.executable).parent / "mpiexec")
@@ -263,16 +263,16 @@ def actions(run_dir: Path) -> list[tuple[str, int, str]]:
     return [(e["event"], e["restart"], e["action"]) for e in read_events(run_dir)]
 
 
-def test_usr1_is_forwarded_and_exit_99_requeues(slurm_env, tmp_path):
+def test_the_warning_reaches_the_ranks_and_exit_99_requeues(slurm_env, tmp_path):
     (handle,) = submit_stand_in(tmp_path, slurm_env, "preempt")
     run_dir = handle.run_dir
     wait_for(run_dir / "ready.0.0.0")
     wait_for(run_dir / "ready.1.0.0")
-    slurm_cmd(["scancel", "--batch", "--signal=USR1", handle.job_id], slurm_env)  # as --signal=B:USR1@60 would
+    slurm_cmd(["scancel", "--batch", "--signal=USR2", handle.job_id], slurm_env)  # as --signal=B:USR2@60 would
     assert handle.wait(timeout=90, poll=0.5) == "COMPLETED", logs(run_dir)
     (info,) = job_info(handle.job_id, slurm_env)
     assert info["Restarts"] == "1"
-    assert actions(run_dir) == [("start", 0, "started"), ("signal", 0, "USR1"), ("end", 0, "requeue"),
+    assert actions(run_dir) == [("start", 0, "started"), ("signal", 0, "USR2"), ("end", 0, "requeue"),
                                 ("start", 1, "started"), ("end", 1, "finished")]
     assert "resumed from: saved by restart 0" in (run_dir / "standin.log").read_text()
     # the ranks got exactly the launcher's runtime command, the hostile env value arrived intact

@@ -50,7 +50,7 @@ def test_sigusr1_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 99, stderr
-    assert "SIGUSR1 received: checkpoint saved at step" in stderr + _
+    assert "SIGUSR1 to hpcrl run received: checkpoint saved at step" in stderr + _
     resumed = hpcrl(*run_args(tmp_path, 8), timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr

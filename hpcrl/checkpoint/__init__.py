@@ -11,7 +11,8 @@ from typing import Any
 
 from hpcrl.checkpoint.manifest import (FORMAT_VERSION, MANIFEST_NAME, SAFE_CONFIG_FIELDS, FileEntry, Manifest,
                                        ManifestError, config_changes, config_hash)
-from hpcrl.checkpoint.signals import EXIT_REQUEUE, PREEMPTION_SIGNALS, PreemptionSignal, requeue_slurm_job
+from hpcrl.checkpoint.signals import (EXIT_REQUEUE, PREEMPTION_SIGNALS, PreemptionSignal, clear_control,
+                                      control_reason, read_control, requeue_slurm_job, write_control)
 from hpcrl.checkpoint.store import (CHECKPOINTS_DIR, Checkpoint, CheckpointError, CheckpointStore,
                                     ConfigMismatchError, ScanEntry)
 
@@ -32,7 +33,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "FORMAT_VERSION", "MANIFEST_NAME", "SAFE_CONFIG_FIELDS", "FileEntry", "Manifest", "ManifestError",
     "config_changes", "config_hash",
-    "EXIT_REQUEUE", "PREEMPTION_SIGNALS", "PreemptionSignal", "requeue_slurm_job",
+    "EXIT_REQUEUE", "PREEMPTION_SIGNALS", "PreemptionSignal", "clear_control", "control_reason", "read_control",
+    "requeue_slurm_job", "write_control",
     "CHECKPOINTS_DIR", "Checkpoint", "CheckpointError", "CheckpointStore", "ConfigMismatchError", "ScanEntry",
     *_LAZY,
 ]

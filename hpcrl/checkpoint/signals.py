@@ -1,10 +1,16 @@
-"""Preemption notices (SIGUSR1 from `sbatch --signal`, SIGTERM at the time limit or on scancel) and requeue.
+"""Requests to end a run early, each with one meaning, and the control file that carries them.
 
-The handler only sets a flag: the run checkpoints at the next step boundary, where every rank
-is in a consistent state, then exits with EXIT_REQUEUE. Work never happens inside a handler.
-Workers install it too: SIGUSR1's default action is to terminate the process. Ranks may see
-the signal at different moments, so the runtime must agree on the decision (e.g. the controller
-decides and tells the workers, or an allreduce of `requested`).
+- **checkpoint and requeue**: Slurm's warning signal before the time limit (`--signal=B:USR2@300`
+  by default, as submitit: some NCCL versions take SIGUSR1 for themselves), or USR1 by hand. The
+  run saves at the next step boundary and exits with EXIT_REQUEUE; the batch script requeues it.
+- **stop**: SIGTERM or SIGINT without a warning before it (`scancel`, `hpcrl cancel`, Slurm
+  preempting or requeueing the job, Ctrl-C). The run saves if it can (within Slurm's KillWait)
+  and exits with EXIT_STOPPED; nobody requeues it (Slurm does, when it preempts with requeue).
+The batch script and `hpcrl run` receive the warning themselves and write the request into
+RUN_DIR/control, which the controller reads at every step boundary; a signal delivered to the
+ranks (scancel signals every task) sets the flag here. The handler only sets a flag: work never
+happens inside a handler. Workers install it too, so that no signal kills them before the
+controller has saved the checkpoint.
 """
 from __future__ import annotations
 
@@ -17,11 +23,17 @@ import threading
 from types import FrameType
 from typing import Callable, Union
 
+from pathlib import Path
+
 from hpcrl.config.constants import EXIT_REQUEUE
 
 log = logging.getLogger(__name__)
 
-PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGTERM)
+REQUEUE_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+PREEMPTION_SIGNALS = REQUEUE_SIGNALS + STOP_SIGNALS
+CONTROL_FILE = "control"
+REQUESTS = ("requeue", "stop")
 _Handler = Union[Callable[[int, "FrameType | None"], object], int, None]
 
 
@@ -31,6 +43,7 @@ class PreemptionSignal:
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS):
         self.signals = tuple(signals)
         self._first: int | None = None
+        self._seen: set[int] = set()
         self._count = 0
         self._previous: dict[int, _Handler] = {}
 
@@ -53,6 +66,7 @@ class PreemptionSignal:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._first is None:
             self._first = signum
+        self._seen.add(signum)
         self._count += 1
 
     @property
@@ -64,8 +78,16 @@ class PreemptionSignal:
         return self._first is not None
 
     @property
+    def request(self) -> str | None:
+        """'requeue' when a warning signal arrived (even if TERM followed: the time limit after its
+        warning), 'stop' for TERM/INT alone, None before any signal."""
+        if self._seen & set(REQUEUE_SIGNALS):
+            return "requeue"
+        return "stop" if self._seen else None
+
+    @property
     def signal_name(self) -> str | None:
-        """The first signal that arrived ('SIGUSR1', 'SIGTERM'), or None."""
+        """The first signal that arrived ('SIGUSR2', 'SIGTERM', ...), or None."""
         return signal.Signals(self._first).name if self._first is not None else None
 
     @property
@@ -77,6 +99,46 @@ class PreemptionSignal:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+def write_control(run_dir: str | os.PathLike, request: str, reason: str = "") -> None:
+    """Ask the run's controller for `request` ('requeue' or 'stop') at its next step boundary, saying
+    why (e.g. 'SIGUSR2 to the batch script'). A stop does not replace a requeue already asked for
+    (the time limit's TERM after its warning)."""
+    if request not in REQUESTS:
+        raise ValueError(f"request must be one of {REQUESTS}, not {request!r}")
+    if request == "stop" and read_control(run_dir) == "requeue":
+        return
+    path = Path(run_dir) / CONTROL_FILE
+    tmp = path.with_name(f".{CONTROL_FILE}.{os.getpid()}")
+    tmp.write_text(f"{request} {reason}".strip() + "\n")
+    os.replace(tmp, path)
+
+
+def _control(run_dir: str | os.PathLike) -> tuple[str | None, str]:
+    try:
+        request, _, reason = (Path(run_dir) / CONTROL_FILE).read_text().strip().partition(" ")
+    except OSError:
+        return None, ""
+    return (request, reason) if request in REQUESTS else (None, "")
+
+
+def read_control(run_dir: str | os.PathLike) -> str | None:
+    """The request in RUN_DIR/control, or None."""
+    return _control(run_dir)[0]
+
+
+def control_reason(run_dir: str | os.PathLike) -> str:
+    """Why the request was written ('' when nobody said)."""
+    return _control(run_dir)[1]
+
+
+def clear_control(run_dir: str | os.PathLike) -> None:
+    """Forget the request (the controller has acted on it, or a new run starts)."""
+    try:
+        os.unlink(Path(run_dir) / CONTROL_FILE)
+    except FileNotFoundError:
+        pass
 
 
 def requeue_slurm_job(timeout: float = 30.0) -> bool:
@@ -104,4 +166,5 @@ def requeue_slurm_job(timeout: float = 30.0) -> bool:
     return True
 
 
-__all__ = ["EXIT_REQUEUE", "PREEMPTION_SIGNALS", "PreemptionSignal", "requeue_slurm_job"]
+__all__ = ["CONTROL_FILE", "EXIT_REQUEUE", "PREEMPTION_SIGNALS", "PreemptionSignal", "REQUEUE_SIGNALS",
+           "STOP_SIGNALS", "clear_control", "control_reason", "read_control", "requeue_slurm_job", "write_control"]

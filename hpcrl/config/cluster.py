@@ -43,14 +43,16 @@ class SlurmSettings(Schema):
     mem: Memory | None = Field(None, description="memory per node, e.g. 480G (0: all of it)")
     gpu_type: SlurmToken | None = Field(None, description="device: cuda asks --gpus-per-node=TYPE:N with this, "
                                         "e.g. h100; absent: --gpus-per-node=N")
-    signal: Signal = Field("B:USR1@300", description="warning signal before the time limit")
+    signal: Signal = Field("B:USR2@300", description="warning signal before the time limit: the run saves a "
+                           "checkpoint and is requeued. USR2 (as submitit), since some NCCL versions take USR1")
     mpi: Literal["pmix", "pmi2", "none"] = Field("pmi2", description="srun --mpi=...: the PMI your MPI "
                                                  "library speaks (pmi2 for the pip mpich wheel)")
     launcher: Literal["srun", "mpiexec"] = Field("srun", description="what starts the ranks inside the allocation")
     mpiexec: str | None = Field(None, description="launcher: mpiexec only: the mpiexec to run (default: the one "
                                 "beside `python`, else `mpiexec` on PATH)")
-    straggler_timeout: NonNegativeInt = Field(300, description="seconds srun waits after the first rank ended "
-                                              "before it ends the others (srun --wait; 0: forever)")
+    straggler_timeout: NonNegativeInt = Field(30, description="seconds srun waits after the first rank ended "
+                                              "(normally) before it ends the others (srun --wait; 0: forever); a "
+                                              "rank that fails ends the step at once (--kill-on-bad-exit)")
     requeue: bool = Field(True, description="requeue after a checkpoint on a signal, and after failures up to "
                           "max_restarts")
     modules: list[ModuleName] = []
@@ -77,9 +79,9 @@ class SlurmSettings(Schema):
         if self.mpiexec is not None and self.launcher != "mpiexec":
             raise ValueError("'mpiexec' is only used with launcher: mpiexec")
         name = self.signal.removeprefix("B:").split("@")[0]
-        if not self.signal.startswith("B:") and name not in ("USR1", "TERM"):
-            raise ValueError(f"signal {self.signal!r} goes to the ranks, which checkpoint on USR1 and TERM only; "
-                             f"use B:{self.signal} (the batch script forwards it as USR1) or USR1")
+        if not self.signal.startswith("B:") and name not in ("USR1", "USR2"):
+            raise ValueError(f"signal {self.signal!r} goes to the ranks, which take only USR1 and USR2 as the warning "
+                             f"(TERM means stop); use B:{self.signal} (the batch script passes it on) or USR2")
         warn = int(self.signal.split("@")[1]) if "@" in self.signal else 60
         limit = time_limit_seconds(self.time)
         if limit and warn >= limit:  # 0: no time limit

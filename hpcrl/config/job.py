@@ -147,6 +147,30 @@ class LogConfig(Schema):
                                 "holds the same weights (a SHA-256 per rank; costs a pass over the weights)")
 
 
+class WatchdogConfig(Schema):
+    """How the controller notices a rank that died or hangs (hpcrl/runtime/watchdog.py). A rank that dies
+    is named at once (its supervisor reports it); these bound the silent cases."""
+
+    heartbeat_s: PositiveFloat = Field(2.0, description="every rank tells the controller it is alive this often")
+    lost_after_s: PositiveFloat = Field(60.0, description="no heartbeat for this long: the rank is stopped or "
+                                        "stuck with Python's lock held; it is named and the world aborted")
+    call_timeout_factor: PositiveFloat = Field(10.0, description="a call that takes this many times the longest "
+                                               "of its kind so far is hung (a deadlocked collective)")
+    call_timeout_min_s: PositiveFloat = Field(300.0, description="never call a call hung before this")
+    call_timeout_max_s: PositiveFloat = Field(3600.0, description="the deadline of a call of a kind not seen "
+                                              "finishing yet, and the longest deadline of any call")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "WatchdogConfig":
+        if self.lost_after_s <= 2 * self.heartbeat_s:
+            raise ValueError(f"lost_after_s ({self.lost_after_s}) must exceed two heartbeats "
+                             f"(heartbeat_s {self.heartbeat_s}): one late heartbeat is no loss")
+        if self.call_timeout_min_s > self.call_timeout_max_s:
+            raise ValueError(f"call_timeout_min_s ({self.call_timeout_min_s}) exceeds call_timeout_max_s "
+                             f"({self.call_timeout_max_s})")
+        return self
+
+
 class Parallel(Schema):
     """Parallel sizes as Megatron-core names them."""
 
@@ -202,6 +226,7 @@ class JobConfig(Schema):
     rollout: RolloutConfig = RolloutConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     roles: Roles
     sweep: dict[str, list[Any]] | None = Field(None, description="key path -> values; one array task per combination")
 

@@ -24,6 +24,8 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 class TrainingEngine(Protocol):
+    gathers_over_dp: bool   # named_weights is collective over the DP ranks too (FSDP2, ZeRO-3)
+
     def logprobs(self, prompt_ids: "Ragged", response_ids: "Ragged") -> "Ragged | None":
         """Per-token log-probabilities of each response under the current weights; on the ranks
         that hold the result (the last pipeline stage), None on the others."""
@@ -57,7 +59,10 @@ class GenerationEngine(Protocol):
         stopping unfinished rows when `time.monotonic()` passes `deadline`."""
 
     def load_weights(self, weights: NamedTensors) -> None:
-        """Replace the rollout weights with these HF-named tensors."""
+        """Replace the rollout weights with these HF-named tensors (one bucket of a sync)."""
+
+    def weights_loaded(self) -> None:
+        """The sync's last bucket is in: drop what was computed with the old weights (KV caches)."""
 
     def sleep(self) -> None:
         """Free device memory (weights and KV cache) while another colocated role runs."""

@@ -81,6 +81,7 @@ class DeepSpeedTrainer(TorchTrainer):
         self.dp_size = dist.get_world_size(dp_group)
         self.device = device
         self.stage = zero_stage
+        self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
         self.trainable = trainable
         if trainable:
             model.train()

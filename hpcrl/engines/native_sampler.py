@@ -73,6 +73,9 @@ class NativeSampler:
             for param, (_, value) in zip(self._params([n for n, _ in weights]), weights):
                 param.copy_(value)
 
+    def weights_loaded(self) -> None:
+        """After the last bucket of a sync: nothing is cached between calls here."""
+
     @torch.no_grad()
     def landing_buffer(self, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> torch.Tensor | None:
         """One flat tensor that the parameters named in `meta` become views of, so that a weight

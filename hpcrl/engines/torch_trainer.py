@@ -64,7 +64,9 @@ class TorchTrainer:
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.device = next(model.parameters()).device
         self.optimizer = None
-        if fsdp and self.dp_size > 1:
+        # FSDP2 gathers each parameter over the DP ranks: every rank takes part in named_weights
+        self.gathers_over_dp = fsdp and self.dp_size > 1
+        if self.gathers_over_dp:
             _fully_shard(model, dp_group, self.device)
         if trainable:
             model.train()

@@ -161,6 +161,7 @@ class VLLMEngine:
                                          gpu_memory_utilization, model.config.max_position_embeddings,
                                          enforce_eager))
         self.load_weights([(name, p.detach()) for name, p in model.named_parameters()])
+        self.weights_loaded()
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
                  budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:
@@ -200,9 +201,13 @@ class VLLMEngine:
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Hand host tensors to every worker (pickled through collective_rpc): the initial weights,
-        and the sync's buckets when rollout shares its GPUs with the trainer."""
-        self.llm.collective_rpc(_load_into_worker, args=(weights,))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        and the sync's buckets when rollout shares its GPUs with the trainer. Each is cloned: a view
+        would pickle the whole receive buffer it lies in."""
+        self.llm.collective_rpc(_load_into_worker, args=([(name, t.clone()) for name, t in weights],))
+
+    def weights_loaded(self) -> None:
+        """After the last bucket of a sync: cached KV blocks were computed with the old weights."""
+        self.llm.reset_prefix_cache()
 
     def join_weight_groups(self, groups: list[dict]) -> None:
         """Connect every TP worker to the trainer's stage leaders (one NCCL communicator per stage:
@@ -212,7 +217,7 @@ class VLLMEngine:
     def receive_pushed(self, plans: list[list[Meta]], digest: bool) -> list[tuple[str, str]]:
         """Receive one sync (every stage's bucket plan, in stage order) straight into the workers."""
         digests = self.llm.collective_rpc(_receive_into_worker, args=(plans, digest))[0]
-        self.llm.reset_prefix_cache()
+        self.weights_loaded()
         return digests
 
     def sleep(self) -> None:

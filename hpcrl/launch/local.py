@@ -11,8 +11,11 @@ from pathlib import Path
 
 import yaml
 
+from hpcrl.checkpoint.signals import PREEMPTION_SIGNALS, REQUEUE_SIGNALS, clear_control, write_control
 from hpcrl.config import ClusterProfile, JobConfig
-from hpcrl.config.constants import EXIT_REQUEUE
+from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
+from hpcrl.launch.lock import TOKEN_ENV, Holder, acquire, release, slurm_job_key
+from hpcrl.launch.shm import remove_stale
 from hpcrl.placement import Plan
 
 
@@ -46,33 +49,51 @@ def runtime_command(python: str, resolved_job: Path, profile_path: str | None, r
     return command
 
 
-def _run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run the MPI world; SIGUSR1/SIGTERM sent to us go to mpiexec, which passes them to every rank."""
+def _run_forwarding_signals(command: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """Run the MPI world. USR1/USR2 sent to us ask the run to checkpoint and end for a requeue, TERM
+    and INT to checkpoint and stop (hpcrl.checkpoint.signals): the request goes into RUN_DIR/control,
+    which the controller reads at every step boundary. TERM is also passed to mpiexec, which hands
+    it to every rank. (mpiexec dies of USR2, and hands INT on itself: a terminal's Ctrl-C reaches it
+    too, and a second INT from here would make it kill the ranks at once.)"""
     process = subprocess.Popen(command, env=env)
-    forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def on_signal(signum: int, _frame) -> None:
+        write_control(run_dir, "requeue" if signum in REQUEUE_SIGNALS else "stop",
+                      f"{signal.Signals(signum).name} to hpcrl run")
+        if signum == signal.SIGTERM:
+            process.send_signal(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in PREEMPTION_SIGNALS}
     try:
-        while True:
-            try:
-                return process.wait()
-            except KeyboardInterrupt:
-                process.send_signal(signal.SIGINT)
+        return process.wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
 def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None, plan: Plan, run_dir: Path) -> int:
-    """Start the MPI world here and wait for it; restart after a failure up to `max_restarts` times
-    (each restart resumes from the newest valid checkpoint). Returns the world's exit code."""
-    resolved = prepare_run_dir(job, plan, run_dir)
-    command = [mpiexec_path(), "-n", str(plan.world_size)]
-    command += runtime_command(sys.executable, resolved, profile_path, run_dir)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    for attempt in range(profile.max_restarts + 1):
-        code = _run_forwarding_signals(command, env)
-        if code in (0, EXIT_REQUEUE) or attempt == profile.max_restarts:
-            return code
-        print(f"hpcrl: the run failed (exit code {code}); restart {attempt + 1} of {profile.max_restarts} "
-              "from the newest checkpoint", file=sys.stderr, flush=True)
-    return code
+    """Start the MPI world here and wait for it, holding the run directory's lock; restart after a
+    failure up to `max_restarts` times (each restart resumes from the newest valid checkpoint).
+    Returns the world's exit code."""
+    holder = Holder.here("run", slurm_job_id=slurm_job_key())
+    note = acquire(run_dir, holder)
+    if note:
+        print(f"hpcrl: {note}", file=sys.stderr, flush=True)
+    try:
+        resolved = prepare_run_dir(job, plan, run_dir)
+        clear_control(run_dir)
+        command = [mpiexec_path(), "-n", str(plan.world_size)]
+        command += runtime_command(sys.executable, resolved, profile_path, run_dir)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env[TOKEN_ENV] = holder.token
+        for attempt in range(profile.max_restarts + 1):
+            shutil.rmtree(run_dir / RANK_EXITS_DIR, ignore_errors=True)   # exit records of an earlier world
+            code = _run_forwarding_signals(command, env, run_dir)
+            remove_stale()
+            if code in (0, EXIT_REQUEUE, EXIT_STOPPED, EXIT_REFUSED) or attempt == profile.max_restarts:
+                return code
+            print(f"hpcrl: the run failed (exit code {code}); restart {attempt + 1} of {profile.max_restarts} "
+                  "from the newest checkpoint", file=sys.stderr, flush=True)
+        return code
+    finally:
+        release(run_dir, holder)

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import jinja2
 
 from hpcrl.config import REPO_ROOT, ClusterProfile, ConfigError
-from hpcrl.config.constants import EXIT_REQUEUE
+from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
+from hpcrl.launch.lock import TOKEN_ENV
 from hpcrl.placement import Plan
 
 TEMPLATE_DIR = REPO_ROOT / "templates"
@@ -81,6 +82,7 @@ class ScriptSpec:
     profile_source: str = ""
     mpiexec: str = "mpiexec"
     description: tuple[str, ...] = field(default_factory=tuple)
+    lock_token: str = ""              # the run directory lock's token, for the ranks (hpcrl.launch.lock)
 
     @property
     def array(self) -> str | None:
@@ -118,16 +120,11 @@ def gpus_per_node(profile: ClusterProfile) -> str | None:
     return f"{gpu_type}:{profile.devices_per_node}" if gpu_type else str(profile.devices_per_node)
 
 
-def trap_signals(signal: str) -> list[str]:
-    """The signals the batch script traps: the warning signal (when it goes to the script), USR1 (the way to
-    ask for a checkpoint by hand: scancel --batch --signal=USR1) and TERM (scancel, preemption)."""
-    names = []
-    if signal.startswith("B:"):
-        names.append(signal.removeprefix("B:").split("@")[0])
-    for name in ("USR1", "TERM"):
-        if name not in names:
-            names.append(name)
-    return names
+def warning_signals(signal: str) -> list[str]:
+    """The signals that ask the batch script for a checkpoint and a requeue: the warning signal (when
+    it goes to the script) and USR1, the way to ask by hand (`scancel --batch --signal=USR1`)."""
+    names = [signal.removeprefix("B:").split("@")[0]] if signal.startswith("B:") else []
+    return names + ["USR1"] if "USR1" not in names else names
 
 
 def shell_command(words: Sequence[str]) -> str:
@@ -168,8 +165,10 @@ def render_script(spec: ScriptSpec) -> str:
         job_name=spec.job_name, profile_name=profile.name, job_source=spec.job_source,
         profile_source=spec.profile_source, description=list(spec.description), kind=spec.kind, tasks=spec.tasks,
         slurm=profile.slurm, max_restarts=profile.max_restarts, exit_requeue=EXIT_REQUEUE,
+        exit_stopped=EXIT_STOPPED, exit_refused=EXIT_REFUSED,
         world_size=plan.world_size, ranks_per_node=ranks_per_node(plan), gpus_per_node=gpus_per_node(profile),
         run_root=str(spec.run_root), workdir=str(spec.workdir), output=str(spec.output), array=spec.array,
-        script_path=str(spec.run_root / SCRIPT_NAME), trap_signals=trap_signals(profile.slurm.signal),
-        container_mounts=mounts, mpiexec=spec.mpiexec, command=shell_command(command),
+        script_path=str(spec.run_root / SCRIPT_NAME), warning_signals=warning_signals(profile.slurm.signal),
+        container_mounts=mounts, mpiexec=spec.mpiexec, command=shell_command(command), lock_token=spec.lock_token,
+        lock_env=TOKEN_ENV, python=spec.python, rank_exits_dir=RANK_EXITS_DIR,
     )

@@ -23,7 +23,8 @@ from submitit.slurm.slurm import SlurmInfoWatcher, read_job_id
 EVENTS_FILE = "job_events.jsonl"
 # After these a job does not run again (a requeued job passes through PENDING, REQUEUED, ...).
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                             "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"})
+                             "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED",
+                             "STOPPED", "REFUSED"})   # the last two: hpcrl's own, from the batch script's events
 _KV = re.compile(r"(\w[\w:/]*)=(\S*)")
 
 
@@ -53,7 +54,8 @@ def find_tool(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return shutil.which(name, path=_environ(env).get("PATH", os.defpath))
 
 
-def _run(args: list[str], env: Mapping[str, str] | None, timeout: float = 30) -> subprocess.CompletedProcess | None:
+def run_tool(args: list[str], env: Mapping[str, str] | None, timeout: float = 30) -> subprocess.CompletedProcess | None:
+    """Run a Slurm client command; None when it is not installed here or does not answer."""
     tool = find_tool(args[0], env)
     if tool is None:
         return None
@@ -112,12 +114,12 @@ def parse_sacct(text: str) -> dict[str, JobRecord]:
 def query_jobs(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, JobRecord]:
     """Every record Slurm has for `job_id` (all tasks of its array); empty when Slurm has none."""
     base = str(job_id).split("_")[0]
-    proc = _run(["scontrol", "show", "job", "-o", base], env)
+    proc = run_tool(["scontrol", "show", "job", "-o", base], env)
     if proc is not None and proc.returncode == 0:
         records = parse_scontrol(proc.stdout)
         if records:
             return records
-    proc = _run(["sacct", "-X", "--parsable2", "-o", "JobID,State,ExitCode,Start,End", "-j", base], env)
+    proc = run_tool(["sacct", "-X", "--parsable2", "-o", "JobID,State,ExitCode,Start,End", "-j", base], env)
     if proc is not None and proc.returncode == 0:
         return parse_sacct(proc.stdout)
     return {}
@@ -146,7 +148,8 @@ def read_events(run_dir: Path) -> list[dict]:
 
 
 _ACTION_STATE = {"finished": "COMPLETED", "finished-earlier": "COMPLETED", "next-link": "COMPLETED",
-                 "requeue": "REQUEUED", "restart": "REQUEUED", "failed": "FAILED", "stopped": "FAILED"}
+                 "requeue": "REQUEUED", "restart": "REQUEUED", "failed": "FAILED", "stopped": "STOPPED",
+                 "refused": "REFUSED"}
 
 
 def record_from_events(run_dir: Path, job_id: str) -> JobRecord | None:

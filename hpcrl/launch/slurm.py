@@ -16,12 +16,14 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from hpcrl.config import ClusterProfile, ConfigError, JobConfig, load_profile
+from hpcrl.launch.lock import Holder, RunLockError, acquire, release, update
 from hpcrl.launch.sbatch import SCRIPT_NAME, ScriptSpec, check_sbatch_path, ranks_per_node, render_script
 from hpcrl.launch.scheduler import find_tool, job_record
 from hpcrl.launch.sweep import SweepTask, describe_overrides, load_job_and_sweep, write_index
@@ -101,6 +103,26 @@ class Submission:
         if self.sweep:
             return [self.run_root / t.dirname for t in self.sweep]
         return [self.run_root]
+
+    def submit(self, env: Mapping[str, str] | None = None) -> str:
+        """Take the run directory's lock (refused while another run holds it), write it and sbatch the
+        script; the lock then names the job, which keeps it (the ranks carry its token). Returns the
+        job id and any note about a stale lock that was taken over (printed to stderr)."""
+        holder = Holder.here("submit", token=self.spec.lock_token)
+        try:
+            note = acquire(self.run_root, holder, env)
+        except RunLockError as exc:
+            raise SubmitError(str(exc)) from None
+        if note:
+            print(f"hpcrl: {note}", file=sys.stderr)
+        try:
+            self.write()
+            job_id = self.sbatch(env)
+        except BaseException:
+            release(self.run_root, holder)
+            raise
+        update(self.run_root, replace(holder, slurm_job_id=job_id))
+        return job_id
 
     def write(self) -> Path:
         """Write the run directory (or one per sweep task) and the batch script; return the script's path."""
@@ -241,7 +263,8 @@ def prepare_submission(job_path: str | Path, cluster_path: str | Path, overrides
     spec = ScriptSpec(
         job_name=job.name, profile=profile, plan=plan, run_root=run_root, workdir=cwd, python=python, kind=kind,
         tasks=len(sweep) if sweep else chain, job_source=str(job_path), profile_source=str(cluster_path),
-        mpiexec=_mpiexec_for(python, profile.slurm.mpiexec), description=tuple(description))
+        mpiexec=_mpiexec_for(python, profile.slurm.mpiexec), description=tuple(description),
+        lock_token=uuid.uuid4().hex)
     script = render_script(spec)
     return Submission(job=job, job_path=(cwd / job_path).resolve(), profile=profile,
                       profile_path=(cwd / cluster_path).resolve(), plan=plan, sweep=tuple(sweep), plans=plans,
@@ -261,8 +284,7 @@ def submit(job_path: str | Path, cluster_path: str | Path, overrides: Sequence[s
     submission = prepare_submission(job_path, cluster_path, overrides, chain, run_dir, cwd)
     if dry_run:
         return submission.handles(None, env)
-    submission.write()
-    return submission.handles(submission.sbatch(env), env)
+    return submission.handles(submission.submit(env), env)
 
 
 def describe_submission(submission: Submission, job_id: str) -> str:
@@ -281,7 +303,7 @@ def describe_submission(submission: Submission, job_id: str) -> str:
     log = log.replace("%a", "*")
     lines += [f"  run dir: {shown}", f"  script:  {_short(submission.script_path)}",
               f"  watch:   hpcrl status {shown}", f"           tail -f {_short(Path(log))}",
-              f"  cancel:  scancel {job_id}"]
+              f"  cancel:  hpcrl cancel {shown}   (or scancel {job_id}: the ranks save a checkpoint if they can)"]
     return "\n".join(lines)
 
 

@@ -6,15 +6,22 @@ Started by `hpcrl run` (mpiexec) or by the batch script of `hpcrl submit` (srun)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
 
+from hpcrl.runtime.supervisor import SUPERVISED_ENV, supervise
+
+if __name__ == "__main__" and os.environ.get(SUPERVISED_ENV) != "1":
+    sys.exit(supervise(sys.argv[1:]))   # the rank runs as this process's child: see supervisor.py
+
 # Before anything slow (MPI, torch): SIGUSR1's default action would kill the rank before it could
 # checkpoint, and the handler stays installed until the process has exited.
-from hpcrl.checkpoint import PreemptionSignal
+from hpcrl.checkpoint import PreemptionSignal  # noqa: E402
 
 PREEMPTION = PreemptionSignal().install()
+STARTED = __import__("time").time()   # when this world started: older exit records are an earlier one's
 
 from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, report_and_wait  # noqa: E402
 
@@ -36,6 +43,7 @@ def _load_on_controller(args: argparse.Namespace):
     payload = None
     if COMM.Get_rank() == CONTROLLER:
         try:
+            _hold_run_dir(Path(args.run_dir))
             job, profile = load_job(args.job), load_profile(args.cluster)
             layout = world_layout(compile_plan(job, profile))
             if layout.world_size != COMM.Get_size():
@@ -52,6 +60,45 @@ def _load_on_controller(args: argparse.Namespace):
     return payload
 
 
+def _hold_run_dir(run_dir: Path) -> None:
+    """The controller makes sure the run directory is this run's: `hpcrl run` and `hpcrl submit` took
+    its lock for these ranks (their token is in the environment); a rank started by hand takes it
+    now. Held by another live run: refuse, with EXIT_REFUSED (nothing to retry)."""
+    from hpcrl.config.constants import EXIT_REFUSED
+    from hpcrl.launch.lock import TOKEN_ENV, Holder, RunLockError, acquire, slurm_job_key
+
+    try:
+        note = acquire(run_dir, Holder.here("job", slurm_job_key(), os.environ.get(TOKEN_ENV)))
+    except RunLockError as exc:
+        abort(f"hpcrl: {exc}", EXIT_REFUSED)
+    if note:
+        print(f"hpcrl: {note}", file=sys.stderr, flush=True)
+
+
+def _watch(job, layout, run_dir: Path):
+    """Every rank tells rank 0 its host and PID (written to RUN_DIR/ranks.json); the controller installs
+    the watchdog, every worker starts its heartbeat (busy with "setup" until it serves calls)."""
+    import json
+    import socket
+    import time
+
+    from hpcrl.runtime.watchdog import Heartbeat, RankInfo, Watchdog
+
+    rank = COMM.Get_rank()
+    everyone = COMM.allgather((socket.gethostname(), os.getpid()))
+    if rank != CONTROLLER:
+        heartbeat = Heartbeat(job.watchdog.heartbeat_s)
+        heartbeat.activity = ("setup", time.monotonic())
+        return heartbeat
+    from hpcrl.runtime.dispatch import install_watchdog
+
+    ranks = {r: RankInfo(host, pid, ",".join(layout.roles_on(r))) for r, (host, pid) in enumerate(everyone) if r}
+    (run_dir / "ranks.json").write_text(json.dumps({str(r): vars(info) for r, info in ranks.items()}, indent=1))
+    watchdog = Watchdog(job.watchdog, ranks, run_dir, since=STARTED)
+    install_watchdog(watchdog)
+    return watchdog
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     job, profile, layout = _load_on_controller(args)
@@ -59,12 +106,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcrl.data import load_tokenizer
     from hpcrl.runtime.groups import build_process_groups
-    from hpcrl.runtime.mpi_world import init_torch_distributed, set_cpu_threads, wait_sends
+    from hpcrl.runtime.mpi_world import init_torch_distributed, require_threads, set_cpu_threads, wait_sends
     from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
 
     rank = COMM.Get_rank()
     role = "controller" if rank == CONTROLLER else ",".join(layout.roles_on(rank))
     try:
+        require_threads()
+        watch = _watch(job, layout, Path(args.run_dir))
         set_cpu_threads()
         if profile.device == "cuda" and rank != CONTROLLER:
             import torch
@@ -99,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                                   sync_sources=sources if name == "actor_infer" else [],
                                   sync_loaders=tuple(sync.loaders), sync_direct=direct)
                 peers[name] = ROLE_CLASSES[name](ctx)
-            serve(peers, groups.replica)
+            serve(peers, groups.replica, heartbeat=watch)
+            watch.stop()
             code = 0
         wait_sends()
         dist.destroy_process_group()

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal
+from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal, clear_control, control_reason, read_control
+from hpcrl.config.constants import EXIT_STOPPED
 from hpcrl.config.job import JobConfig
 from hpcrl.data import ResumableSampler, SamplerState, load_prompts
 from hpcrl.engines.digests import combine_digests
@@ -188,6 +189,9 @@ class Controller:
     def _stage(self, digest: bool) -> None:
         """The trainer copies the weights of its current version to host memory (FIFO after the
         train call that made them, before the next)."""
+        if self.staging is not None:   # its reply may have come in while the train call ran
+            wait(self.staging.pending)
+            self._staged()
         pending = self.groups["actor_train"].call("stage_weights", Dispatch.ONE_TO_ALL, self.step, digest)
         self.staging = _InFlight(pending, time.perf_counter(), version=self.step)
         self.train_busy.start()
@@ -274,16 +278,19 @@ class Controller:
             self._start_round()
 
     def run(self) -> int:
-        """Train to `train.steps`; returns the exit code (EXIT_REQUEUE when stopped by a signal)."""
+        """Train to `train.steps`; returns the exit code (EXIT_REQUEUE or EXIT_STOPPED when asked to end
+        early: see hpcrl.checkpoint.signals)."""
         job = self.job
         self._restore()
+        run(self.everyone, "ready", Dispatch.ONE_TO_ALL)   # every role built: the first sync waits for no one
         self._sync_now()  # rollout starts from exactly the trainer's weights, checked once
         with StepRecorder(self.run_dir, job.train.steps, job.log.print_every, job.log.tensorboard,
                           resume_step=self.step) as recorder:
             step_started = time.perf_counter()
             while self.step < job.train.steps:
                 self._advance()
-                flights = [f for f in (self.round, self.training, self.staging, self.pushing) if f is not None]
+                # staging before training: a staging finished before the train call behind it is handled first
+                flights = [f for f in (self.round, self.staging, self.pushing, self.training) if f is not None]
                 done = wait_any([f.pending for f in flights])
                 if self.round is not None and done is self.round.pending:
                     self._finish_round()
@@ -301,12 +308,16 @@ class Controller:
                     metrics.update(self._step_times(elapsed, metrics["samples"]))
                     recorder.record(self.step, {"step": self.step, **metrics, "policy_version": self.step})
                     self.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-                    if self._checkpoint_due():
+                    request = self._request()
+                    if request is not None or self.checkpointer.due(self.step):
                         self._save()
-                    if self.preemption.requested and self.step < job.train.steps:
-                        recorder.write(f"hpcrl: {self.preemption.signal_name} received: checkpoint saved at "
-                                       f"step {self.step}; exiting for requeue")
-                        return EXIT_REQUEUE
+                    if request is not None and self.step < job.train.steps:
+                        what = "exiting for requeue" if request == "requeue" else "stopping as asked"
+                        recorder.write(f"hpcrl: {self._request_source()} received: checkpoint saved at step "
+                                       f"{self.step}; {what}")
+                        clear_control(self.run_dir)
+                        return EXIT_REQUEUE if request == "requeue" else EXIT_STOPPED
+        clear_control(self.run_dir)
         return 0
 
     def _trained(self) -> dict[str, Any]:
@@ -321,8 +332,15 @@ class Controller:
             self._stage(digest=self.job.log.check_weights)
         return metrics
 
-    def _checkpoint_due(self) -> bool:
-        return self.checkpointer.due(self.step) or self.preemption.requested
+    def _request(self) -> str | None:
+        """'requeue' or 'stop' when a signal reached this rank or RUN_DIR/control asks for one (the
+        batch script, `hpcrl run` and `hpcrl cancel` write it); a warning outranks a stop."""
+        requests = {self.preemption.request, read_control(self.run_dir)}
+        return "requeue" if "requeue" in requests else ("stop" if "stop" in requests else None)
+
+    def _request_source(self) -> str:
+        """Who asked: the signal this rank got, else what RUN_DIR/control says (the launcher's signal)."""
+        return self.preemption.signal_name or control_reason(self.run_dir) or f"a {read_control(self.run_dir)} request"
 
     def _step_times(self, elapsed: float, samples: float) -> dict[str, float]:
         times = {k: self.times.get(k, 0.0) for k in ("time_rollout_s", "time_reward_s", "time_logprobs_s",

@@ -15,14 +15,16 @@ on an error report from any rank.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from hpcrl.ragged import concat_batches, split_batch
 from hpcrl.runtime.layout import RoleLayout
-from hpcrl.runtime.messages import TAG_CALL, TAG_ERROR, TAG_REPLY, Call, ErrorReport, Reply
-from hpcrl.runtime.mpi_world import abort, poll_recv, send
+from hpcrl.runtime.messages import TAG_CALL, TAG_ERROR, TAG_HEARTBEAT, TAG_REPLY, Call, ErrorReport, Reply
+from hpcrl.runtime.mpi_world import abort, poll_recv, queued, send
+from hpcrl.runtime.watchdog import TICK_S, Watchdog
 
 
 class Dispatch(Enum):
@@ -35,6 +37,8 @@ class Pending:
     group: "WorkerGroup"
     mode: Dispatch
     call_ids: dict[int, int]          # replying rank -> call id
+    method: str = ""
+    started: float = field(default_factory=time.monotonic)
     results: dict[int, Any] = field(default_factory=dict)
 
     @property
@@ -82,26 +86,46 @@ class WorkerGroup:
             send(Call(call_id, self.role, method, call_args, split, rank in repliers), rank, self.tag)
             if rank in repliers:
                 call_ids[rank] = call_id
-        pending = Pending(self, mode, call_ids)
+        pending = Pending(self, mode, call_ids, method)
         for rank, call_id in call_ids.items():
             _outstanding[call_id] = (pending, rank)
         return pending
 
 
 _outstanding: dict[int, tuple[Pending, int]] = {}  # call id -> (its Pending, the rank that will reply)
+_watchdog: Watchdog | None = None
+
+
+def install_watchdog(watchdog: Watchdog) -> None:
+    """From now on every wait for a reply also watches the workers (see watchdog.py)."""
+    global _watchdog
+    _watchdog = watchdog
 
 
 def _receive_one() -> Pending:
-    """Receive the next reply and file it; returns the Pending it belongs to."""
-    message, source, tag = poll_recv()
-    if tag == TAG_ERROR:
-        assert isinstance(message, ErrorReport)
-        abort(f"hpcrl: {message.describe()}\nhpcrl: aborting all ranks.")
-    if tag != TAG_REPLY or not isinstance(message, Reply) or message.call_id not in _outstanding:
-        abort(f"hpcrl: controller got an unexpected message (tag {tag}) from rank {source}")
-    owner, rank = _outstanding.pop(message.call_id)
-    owner.results[rank] = message.result
-    return owner
+    """Receive the next reply and file it; returns the Pending it belongs to. Heartbeats are counted
+    on the way, and the watchdog looks at the workers whenever no message is waiting."""
+    while True:
+        if _watchdog is not None and _watchdog.due() and not queued():
+            _watchdog.check((rank, pending.method, pending.started) for pending, rank in _outstanding.values())
+        got = poll_recv(timeout=TICK_S if _watchdog is not None else None)
+        if got is None:
+            continue
+        message, source, tag = got
+        if tag == TAG_HEARTBEAT:
+            if _watchdog is not None:
+                _watchdog.beat(source, message)
+            continue
+        if tag == TAG_ERROR:
+            assert isinstance(message, ErrorReport)
+            abort(f"hpcrl: {message.describe()}\nhpcrl: aborting all ranks.")
+        if tag != TAG_REPLY or not isinstance(message, Reply) or message.call_id not in _outstanding:
+            abort(f"hpcrl: controller got an unexpected message (tag {tag}) from rank {source}")
+        owner, rank = _outstanding.pop(message.call_id)
+        owner.results[rank] = message.result
+        if _watchdog is not None:
+            _watchdog.finished(owner.method, time.monotonic() - owner.started)
+        return owner
 
 
 def busy(ranks: set[int] | list[int]) -> bool:

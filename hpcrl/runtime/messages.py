@@ -9,6 +9,9 @@ TAG_CALL = 11    # controller -> worker: run a method of a hosted role
 TAG_REPLY = 12   # worker -> controller: the method's result
 TAG_ERROR = 13   # worker -> controller: the method raised; the world is about to be aborted
 TAG_SYNC = 14    # controller -> a weight server's thread: send the staged weights now
+TAG_HEARTBEAT = 15  # worker -> controller, every watchdog.heartbeat_s: alive, and in which call
+TAG_DUMP = 16    # controller -> worker: print every thread's Python stack (a hang is being reported)
+TAG_ADDRESS = 17  # trainer stage leader -> vLLM replica leader: where its workers meet it for NCCL
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class ErrorReport:
 
     def describe(self) -> str:
         return f"rank {self.rank} (role {self.role}, in {self.method}) failed:\n{self.traceback.rstrip()}"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A worker's heartbeat: the call its main thread is in (None between calls), and for how long."""
+
+    method: str | None
+    seconds: float
 
 
 SHUTDOWN = "__shutdown__"

@@ -36,22 +36,27 @@ class Traffic:
 TRAFFIC = Traffic()
 
 
-def send(obj: Any, dest: int, tag: int) -> int:
+def send(obj: Any, dest: int, tag: int, wait: bool = False) -> int:
     """Send `obj` as one framed message: its pickle (protocol 5) and, out of band, every buffer it
     holds (numpy arrays: token columns) as raw MPI messages, with no copy into the pickle. Returns
-    the bytes sent, at once: the sends are non-blocking (a large message to a busy rank would
-    otherwise hold the controller until that rank reads it); `poll_recv` completes them.
-    Thread-safe: the worker's weight server replies from its own thread."""
+    the bytes sent. The sends are non-blocking (a large message to a busy rank would otherwise hold
+    the controller until that rank reads it) and `poll_recv` completes them; `wait` completes this
+    one before returning (a worker's reply: its next call may leave MPI alone for a long time, and
+    the controller is reading). Thread-safe: a worker's threads send too."""
     data, buffers = _PICKLE.dumps_oob(obj)
     views = [memoryview(b).cast("B") for b in buffers]
     header = np.array([len(data)] + [v.nbytes for v in views], dtype=np.int64)
     with _SEND_LOCK:
         requests = [COMM.Isend(part, dest=dest, tag=tag) for part in (header, data, *views)]
-        _SENDING.append((requests, (header, data, views)))
+        entry = (requests, (header, data, views))
+        _SENDING.append(entry)
         sent = header.nbytes + int(header.sum())
         TRAFFIC.bytes += sent
         TRAFFIC.messages += 1
     _progress()
+    while wait and any(e is entry for e in _SENDING):
+        time.sleep(1e-4)
+        _progress()
     return sent
 
 
@@ -69,9 +74,10 @@ def wait_sends() -> None:
         _SENDING.clear()
 
 
-def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any, int, int]:
+def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+              timeout: float | None = None) -> tuple[Any, int, int] | None:
     """Receive one framed message (see `send`) without spinning: probe, then sleep with back-off
-    up to 5 ms. Returns (object, source, tag).
+    up to 5 ms. Returns (object, source, tag), or None when `timeout` seconds pass first.
 
     Ranks are often oversubscribed (4 ranks on 2 cores here, or idle ranks beside busy ones on a
     GPU node); a blocking MPI receive busy-polls and would steal the CPU the busy ranks need.
@@ -80,14 +86,17 @@ def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any
     """
     status = MPI.Status()
     delay = 1e-4
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         message = COMM.Improbe(source=source, tag=tag, status=status)
         if message is not None:
             break
         if _SENDING:
             _progress()
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
         time.sleep(delay)
-        delay = min(delay * 2, 5e-3)
+        delay = 1e-4 if _SENDING else min(delay * 2, 5e-3)   # sends in progress need MPI's attention
     source, tag = status.Get_source(), status.Get_tag()
     header = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
     message.Recv(header)
@@ -95,6 +104,11 @@ def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> tuple[Any
     for part in parts:
         COMM.Recv(part, source=source, tag=tag)
     return _PICKLE.loads_oob(parts[0], parts[1:]), source, tag
+
+
+def queued(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> bool:
+    """Whether a message is waiting to be received."""
+    return bool(COMM.Iprobe(source=source, tag=tag))
 
 
 def abort(message: str, code: int = 1) -> None:
@@ -122,6 +136,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def require_threads() -> None:
+    """The weight server and the heartbeat use MPI from threads of their own: MPI must allow it."""
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError("this MPI library gives less than MPI_THREAD_MULTIPLE, which hpcrl's threads need "
+                           "(the heartbeat, the weight server); for Cray MPICH set MPICH_MAX_THREAD_SAFETY=multiple, "
+                           "for Open MPI use a build with thread support")
 
 
 def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:

@@ -20,7 +20,8 @@ from hpcrl.engines.torch_trainer import Samples
 from hpcrl.ragged import Batch
 from hpcrl.rewards import score_responses
 from hpcrl.runtime.faults import decode_delay_s
-from hpcrl.runtime.mpi_world import free_port
+from hpcrl.runtime.messages import TAG_ADDRESS
+from hpcrl.runtime.mpi_world import free_port, poll_recv, send
 from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, WeightServer, receive_object
 
 
@@ -87,6 +88,8 @@ class ActorTrain:
         """Copy the weights of policy `version` to the host, on the sync sources, for the push that
         follows at rollout's next round boundary. Collective over the role (gathering is). With
         `digest`, every stage leader of every replica returns its tensors' digests (None elsewhere)."""
+        if self.ctx.dp_index != 0 and not digest and not self.trainer.gathers_over_dp:
+            return None   # only the first replica's weights are sent; gathering the others would be waste
         digests: list[tuple[str, str]] = []
         weights = self.trainer.named_weights()
         if digest:
@@ -107,12 +110,15 @@ class ActorTrain:
 
 
 def _vllm_address(ctx: RoleContext) -> dict:
-    """Where vLLM's TP workers meet this stage leader (rank 0) for NCCL, told to the replica leaders
-    over the stage's sync group: the ranks after 0 go to the loaders' workers in loader order."""
+    """Where vLLM's TP workers meet this stage leader (rank 0) for NCCL, sent to each replica leader
+    (over MPI: a leader asks only once its vLLM engine is built, which may take minutes). The ranks
+    after 0 go to the loaders' workers in loader order. The meeting itself may wait as long as the
+    slowest engine takes to build: up to `watchdog.call_timeout_max_s`."""
     address = {"host": socket.gethostname(), "port": free_port(), "loaders": list(ctx.sync_loaders),
-               "tp": ctx.job.roles.actor_infer.parallel.tp, "timeout_s": ctx.job.rollout.sync_timeout_s}
+               "tp": ctx.job.roles.actor_infer.parallel.tp, "timeout_s": ctx.job.watchdog.call_timeout_max_s}
     address["world_size"] = 1 + address["tp"] * len(ctx.sync_loaders)
-    dist.broadcast_object_list([address], src=dist.get_rank(), group=ctx.sync_send_group)
+    for loader in ctx.sync_loaders:
+        send(address, loader, TAG_ADDRESS)
     return address
 
 
@@ -162,8 +168,8 @@ class ActorInfer:
         if ctx.sync_direct and ctx.sync_sources:   # a vLLM replica leader: connect its workers to every stage
             rank = dist.get_rank()
             groups = []
-            for _, group, src in ctx.sync_sources:
-                address = receive_object(group, src)
+            for _, _, src in ctx.sync_sources:
+                address, _, _ = poll_recv(source=src, tag=TAG_ADDRESS)
                 groups.append({**address, "rank_offset": 1 + address["tp"] * address["loaders"].index(rank)})
             self.engine.join_weight_groups(groups)
 
@@ -195,6 +201,8 @@ class ActorInfer:
                 self.engine.load_weights(bucket)
             if digest and not native:
                 digests += tensor_digests(bucket)
+        if self.engine is not None:
+            self.engine.weights_loaded()
         if not digest:
             return None
         return weights_digest(self.model.named_parameters()) if native else combine_digests(digests)

@@ -119,11 +119,12 @@ class DeviceChannel:
         self.buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8, device=device)] * 2
 
     def send(self, staged: StagedWeights) -> None:
+        largest = max((b.flat.nbytes for b in staged.buckets), default=0)
+        if self.buffers[0].numel() < largest:   # both streams are idle between sends: safe to replace
+            self.buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
         free = [torch.cuda.Event(), torch.cuda.Event()]
         for index, bucket in enumerate(staged.buckets):
             slot = index % 2
-            if self.buffers[slot].numel() < bucket.flat.nbytes:
-                self.buffers[slot] = torch.empty(bucket.flat.nbytes, dtype=torch.uint8, device=self.device)
             target = self.buffers[slot][:bucket.flat.nbytes].view(bucket.flat.dtype)
             copied = torch.cuda.Event()
             with torch.cuda.stream(self.copy_stream):

@@ -1,6 +1,7 @@
 """The worker loop: host the roles the plan gives this rank and run what the controller calls."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from hpcrl.runtime.data_plane import broadcast_batch
 from hpcrl.runtime.faults import maybe_fail
 from hpcrl.runtime.messages import SHUTDOWN, TAG_CALL, TAG_REPLY, Call, Reply
 from hpcrl.runtime.mpi_world import COMM, CONTROLLER, poll_recv, report_and_wait, send
+from hpcrl.runtime.watchdog import Heartbeat
 
 
 class RankHost:
@@ -18,6 +20,9 @@ class RankHost:
 
     def __init__(self, roles: dict[str, Any]):
         self.roles = roles
+
+    def ready(self) -> None:
+        """Answered once every role of the rank is built: the controller's start-up barrier."""
 
     def save_checkpoint(self, path: str) -> None:
         from hpcrl.checkpoint import save_rng
@@ -37,21 +42,26 @@ class RankHost:
 
 
 def serve(roles: dict[str, Any], replicas: Mapping[str, tuple[dist.ProcessGroup, int]] | None = None,
-          tag: int = TAG_CALL) -> None:
+          tag: int = TAG_CALL, heartbeat: Heartbeat | None = None) -> None:
     """Answer calls on `tag` until the controller says shutdown. An exception is reported, then the
     world aborts. (The main thread serves TAG_CALL; a weight server's thread serves TAG_SYNC.)
 
     `replicas`: for each hosted role whose model replica spans several ranks, the replica's group
     and its data leader: a split call's batch arrives at the leader and is broadcast from there.
+    `heartbeat`: told which call runs, for the controller's watchdog.
     """
     roles = {"*": RankHost(roles), **roles}
     replicas = replicas or {}
     while True:
+        if heartbeat is not None:
+            heartbeat.activity = None
         call, _, _ = poll_recv(source=CONTROLLER, tag=tag)
         assert isinstance(call, Call)
         if call.method == SHUTDOWN:
             send(Reply(call.call_id, None), CONTROLLER, TAG_REPLY)
             return
+        if heartbeat is not None:
+            heartbeat.activity = (call.method, time.monotonic())
         try:
             maybe_fail(COMM.Get_rank(), call.method)
             args = call.args
@@ -63,4 +73,4 @@ def serve(roles: dict[str, Any], replicas: Mapping[str, tuple[dist.ProcessGroup,
             report_and_wait(call.role, call.method)
             return
         if call.reply:
-            send(Reply(call.call_id, result), CONTROLLER, TAG_REPLY)
+            send(Reply(call.call_id, result), CONTROLLER, TAG_REPLY, wait=True)

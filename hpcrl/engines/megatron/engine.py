@@ -43,6 +43,7 @@ class MegatronTrainer:
         self.job = job
         self.pad_id = pad_id
         self.groups = groups
+        self.gathers_over_dp = False   # each replica gathers its TP shards among its own ranks
         self.pgc = pg_collection(groups)
         self.shape = GPTShape.from_hf(model.config)
         self.model = build_gpt_model(model, self.pgc, job.seed)
