@@ -33,11 +33,29 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from hpcrl.placement import compile_plan
+    from hpcrl.placement import PlacementError, compile_plan
 
     job = load_job(args.job, args.overrides)
     profile = load_profile(args.cluster)
-    return job, profile, compile_plan(job, profile)
+    try:
+        return job, profile, compile_plan(job, profile)
+    except PlacementError as exc:
+        raise ConfigError(args.job, [str(exc)]) from None
+
+
+def _resume_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--restart", action="store_true",
+                        help="if RUN_DIR holds a run but no checkpoint it can resume from, start it over from step 0 "
+                        "(its metrics move to metrics.superseded.jsonl); without it such a start is refused")
+    parser.add_argument("--allow-config-change", action="append", default=[], metavar="KEY",
+                        help="resume although the job's KEY (e.g. algorithm.kl_coef, or a section: rollout) differs "
+                        "from the checkpoint's (repeatable)")
+
+
+def _resume_options(args: argparse.Namespace):
+    from hpcrl.launch.local import ResumeOptions
+
+    return ResumeOptions(args.restart, tuple(args.allow_config_change))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -58,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                          "or `hpcrl run` with a local profile"])
     run_dir = Path(args.run_dir or Path("runs") / job.name)
     try:
-        code = run_local(job, profile, args.cluster, plan, run_dir)
+        code = run_local(job, profile, args.cluster, plan, run_dir, _resume_options(args))
     except RunLockError as exc:
         print(f"hpcrl: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -78,7 +96,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.launch.slurm import SubmitError, describe_submission, describe_sweep, prepare_submission
     from hpcrl.placement import format_plan
 
-    submission = prepare_submission(args.job, args.cluster, args.overrides, args.chain, args.run_dir)
+    submission = prepare_submission(args.job, args.cluster, args.overrides, args.chain, args.run_dir,
+                                    resume=_resume_options(args))
     if args.dry_run:
         print(submission.script, end="")
         print()
@@ -143,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "ranks with mpiexec. Metrics go to runs/<name>/metrics.jsonl and TensorBoard.")
     _job_arguments(run)
     run.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<name>)")
+    _resume_arguments(run)
     run.set_defaults(func=cmd_run)
 
     submit = sub.add_parser("submit", help="submit the job to Slurm (sbatch), or show the script with --dry-run",
@@ -158,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--chain", type=int, default=1, metavar="K",
                         help="K array tasks that run one after another, each resuming from the newest checkpoint")
     submit.add_argument("--run-dir", default=None, help="where metrics and checkpoints go (default: runs/<name>)")
+    _resume_arguments(submit)
     submit.set_defaults(func=cmd_submit)
 
     status = sub.add_parser("status", help="state, progress and last reward of submitted runs",

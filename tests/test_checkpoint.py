@@ -77,13 +77,23 @@ def test_truncated_and_bit_flipped_files_are_skipped_with_a_message(tmp_path):
     flipped.write_bytes(bytes(data))
     latest = store.latest_valid("h")
     assert latest.step == 10
+    kept = " (not loaded, not pruned)"
     assert store.skipped == [
-        "checkpoints/step-30: model/__0_0.distcp: 1000 bytes, the manifest says 4097 (truncated); skipped",
-        "checkpoints/step-20: model/__0_0.distcp: SHA-256 mismatch (corrupt); skipped",
+        "checkpoints/step-30: model/__0_0.distcp: 1000 bytes, the manifest says 4097 (truncated); skipped, kept as "
+        "checkpoints/step-30.corrupt" + kept,
+        "checkpoints/step-20: model/__0_0.distcp: SHA-256 mismatch (corrupt); skipped, kept as "
+        "checkpoints/step-20.corrupt" + kept,
     ]
-    # status view: read-only, every problem listed
+    # the evidence stays, renamed out of the way: never loaded, never counted or removed by pruning
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10", "step-20.corrupt",
+                                                                            "step-30.corrupt"]
+    # status view: read-only, every problem listed (without the job's renaming)
+    flipped = tmp_path / "checkpoints/step-40"
+    _commit(store, 40)
+    (flipped / "manifest.json").unlink()
     scan = store.scan()
-    assert [(e.step, e.problem is None) for e in scan] == [(30, False), (20, False), (10, True)]
+    assert [(e.step, e.problem is None) for e in scan] == [(40, False), (10, True)]
+    assert store.latest_valid(clean=False).step == 10 and flipped.exists(), "hpcrl status renames nothing"
 
 
 def test_missing_file_missing_and_broken_manifest_are_skipped(tmp_path):
@@ -93,13 +103,13 @@ def test_missing_file_missing_and_broken_manifest_are_skipped(tmp_path):
     (tmp_path / "checkpoints/step-4/rng/rank-0.json").unlink()
     (tmp_path / "checkpoints/step-3/manifest.json").unlink()
     (tmp_path / "checkpoints/step-2/manifest.json").write_text('{"format_version": 1, "step": ')
-    assert store.latest_valid().step == 1
+    assert store.latest_valid(clean=False).step == 1
     assert store.skipped[0] == "checkpoints/step-4: rng/rank-0.json: missing; skipped"
     assert store.skipped[1] == "checkpoints/step-3: manifest.json missing (incomplete write); skipped"
     assert store.skipped[2].startswith("checkpoints/step-2: manifest.json unreadable: not valid JSON")
     # nothing usable at all
     (tmp_path / "checkpoints/step-1/manifest.json").unlink()
-    assert store.latest_valid() is None and len(store.skipped) == 4
+    assert store.latest_valid(clean=False) is None and len(store.skipped) == 4
 
 
 def test_partial_tmp_dir_is_ignored_and_cleaned(tmp_path):
@@ -152,8 +162,12 @@ def test_config_hash_ignores_safe_fields_and_mismatch_is_refused(tmp_path):
     with pytest.raises(ConfigMismatchError, match=r"step-20 was written by a different job configuration.*"
                                                   r"changed train.lr: 0.003 -> 0.001"):
         store.latest_valid(config_hash(changed), config=changed)
+    with pytest.raises(ConfigMismatchError, match="--allow-config-change train.lr"):
+        store.latest_valid(config_hash(changed), config=changed, allowed_changes=["algorithm"])
     with pytest.warns(UserWarning, match="resuming anyway"):
-        assert store.latest_valid(config_hash(changed), allow_config_change=True).step == 20
+        assert store.latest_valid(config_hash(changed), config=changed, allowed_changes=["train.lr"]).step == 20
+    with pytest.warns(UserWarning, match="resuming anyway"):
+        assert store.latest_valid(config_hash(changed), config=changed, allowed_changes=["train"]).step == 20
 
 
 def test_store_and_manifest_do_not_import_torch():

@@ -11,6 +11,7 @@ import pytest
 
 from hpcrl.metrics import (
     METRICS_FILE,
+    SUPERSEDED_FILE,
     MetricsLog,
     StepProgress,
     StepRecorder,
@@ -53,7 +54,7 @@ def test_jsonl_numpy_and_torch_scalars(tmp_path):
     assert read_metrics(path) == [{"step": 1, "a": 0.5, "b": 3, "c": [1, 2]}]
 
 
-def test_jsonl_resume_truncates_atomically(tmp_path):
+def test_jsonl_resume_supersedes_atomically_and_loses_nothing(tmp_path):
     path = tmp_path / METRICS_FILE
     with MetricsLog(path) as log:
         for r in _records(10):
@@ -64,10 +65,14 @@ def test_jsonl_resume_truncates_atomically(tmp_path):
             log.write(r)
     steps = [r["step"] for r in read_metrics(path)]
     assert steps == list(range(1, 11))  # every step exactly once
-    assert [p.name for p in tmp_path.iterdir()] == [METRICS_FILE]  # no temp file left behind
+    superseded = tmp_path / SUPERSEDED_FILE
+    assert [r["step"] for r in read_metrics(superseded)] == [7, 8, 9, 10], "the recomputed steps' first records"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS_FILE, SUPERSEDED_FILE]  # no temp file left
     with MetricsLog(path, fresh=True):
         pass
-    assert read_metrics(path) == []
+    assert read_metrics(path) == [] and len(read_metrics(superseded)) == 14, "a fresh start moves them all"
+    with MetricsLog(path, resume_step=2, restored=[{"step": 1, "reward_mean": 0.5}, {"step": 2}]) as log:
+        assert log.rebuilt == 2 and [r["step"] for r in read_metrics(path)] == [1, 2]
     with MetricsLog(tmp_path / "new" / METRICS_FILE, resume_step=3):  # resume with no file yet
         pass
     assert read_metrics(tmp_path / "new" / METRICS_FILE) == []

@@ -113,8 +113,8 @@ def test_groups_match_real_megatron_core():
 # ---------------------------------------------------------------- jobs and profiles
 
 def job_dict(**roles) -> dict:
-    """A tiny job whose roles are given as raw mappings."""
-    return {"name": "t", "task": {"name": "addition"}, "roles": roles}
+    """A tiny job whose roles are given as raw mappings (24 x 8 samples a step: any dp up to 4 splits them)."""
+    return {"name": "t", "task": {"name": "addition"}, "train": {"prompts_per_step": 24}, "roles": roles}
 
 
 def job(**roles) -> JobConfig:
@@ -160,7 +160,8 @@ def test_tiny_job_plan():
 
 def test_json_shape():
     data = json.loads(json.dumps(compile_plan(load_job(TINY_JOB), load_profile()).to_json()))
-    assert set(data) == {"world_size", "nodes", "devices_per_node", "roles", "stages"}
+    assert set(data) == {"world_size", "nodes", "devices_per_node", "roles", "stages", "checkpoint"}
+    assert data["checkpoint"]["window_s"] is None and data["checkpoint"]["bytes"] > 0, "a local profile has no warning"
     assert (data["world_size"], data["nodes"], data["devices_per_node"]) == (4, 1, 4)
     role = data["roles"]["actor_train"]
     assert set(role) == {"slots", "ranks", "nodes", "parallel", "groups", "memory_gb"}
@@ -301,6 +302,24 @@ def test_rejects_tp_group_crossing_nodes():
                       job(actor_train={"parallel": {"dp": 3}}, actor_infer={"parallel": {"dp": 2}},
                           critic={"parallel": {"tp": 2}, "colocate_with": "actor_infer"}), cluster(nodes=2))
     assert "inside one node" in message
+
+
+def test_the_plan_estimates_the_checkpoint_and_warns_when_it_outlasts_the_warning_window():
+    seven_b = big().checkpoint
+    assert 90e9 < seven_b.bytes < 110e9, "7.6B params x (2 + 8 + 4) bytes"
+    assert seven_b.nodes == 2 and seven_b.window_s == 300 and not seven_b.too_slow
+    slow = compile_plan(load_job(BIG_JOB), load_profile(BIG_CLUSTER, ["checkpoint_write_gbps=0.2"]))
+    assert slow.checkpoint.too_slow
+    text = format_plan(slow)
+    assert "WARNING: the checkpoint may not be saved within the warning window" in text and "B:USR2@" in text
+
+
+def test_rejects_a_step_that_does_not_split_over_the_trainer_replicas():
+    rejects("train.prompts_per_step x algorithm.group_size = 36 samples per step do not split into "
+            "roles.actor_train.parallel.dp = 4 replicas x train.minibatches = 2",
+            validate(JobConfig, {**job_dict(actor_train={"parallel": {"dp": 4}}, actor_infer={}),
+                                 "train": {"prompts_per_step": 9, "minibatches": 2},
+                                 "algorithm": {"group_size": 4}}, "test"), cluster(nodes=2))
 
 
 def test_rejects_two_roles_active_on_one_slot_in_a_stage():

@@ -27,6 +27,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpcrl.checkpoint.manifest import (MANIFEST_NAME, SAFE_CONFIG_FIELDS, FileEntry, Manifest, ManifestError,
@@ -139,10 +140,11 @@ class CheckpointStore:
         return tmp
 
     def commit(self, step: int, tmp: str | os.PathLike, config_hash: str, layout: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> Checkpoint:
+               extra: dict[str, Any] | None = None, hashed: dict[str, FileEntry] | None = None) -> Checkpoint:
         """Hash and fsync every file, write the manifest, rename atomically to `step-<N>`, prune.
 
-        Call after every rank has finished writing (a barrier), on rank 0 only.
+        Call after every rank has finished writing (a barrier), on rank 0 only. `hashed`: entries the
+        ranks computed (and fsync'ed) in parallel; only the other files are hashed here.
         """
         tmp = Path(tmp)
         match = _SCRATCH.match(tmp.name)
@@ -150,7 +152,10 @@ class CheckpointStore:
             raise CheckpointError(f"{tmp} is not a directory made by begin() in {self.root}")
         if int(match.group(1)) != step:
             raise CheckpointError(f"{tmp} was begun for step {match.group(1)}, not {step}")
-        files = hash_files(tmp, _files_under(tmp), fsync=True, workers=self.hash_workers)
+        names = _files_under(tmp)
+        hashed = {name: entry for name, entry in (hashed or {}).items() if name in names}
+        files = {**hashed, **hash_files(tmp, [n for n in names if n not in hashed], fsync=True,
+                                        workers=self.hash_workers)}
         if not files:
             raise CheckpointError(f"{tmp}: no files were written; nothing to commit")
         manifest = Manifest(step=step, config_hash=config_hash, layout=dict(layout), files=files,
@@ -227,16 +232,22 @@ class CheckpointStore:
             kind = "truncated" if size < entry.size else "corrupt"
             raise CheckpointError(f"{name}: {size} bytes, the manifest says {entry.size} ({kind})")
 
-    def latest_valid(self, config_hash: str | None = None, *, allow_config_change: bool = False,
-                     config: dict[str, Any] | None = None, clean: bool = True) -> Checkpoint | None:
+    def latest_valid(self, config_hash: str | None = None, *, allowed_changes: Sequence[str] = (),
+                     config: dict[str, Any] | None = None, clean: bool = True,
+                     deep_check: Callable[[Path, Manifest], str | None] | None = None) -> Checkpoint | None:
         """The newest intact checkpoint, or None. Every one passed over is reported in `skipped`.
 
         config_hash: the current job's `config_hash(...)`. If the newest intact checkpoint differs,
-        raise ConfigMismatchError (resuming would mix two experiments) unless allow_config_change,
-        which records a warning and resumes. Give `config` (the resolved job dict) to name the
-        changed fields when the checkpoint stored its job as `extra["config"]`.
-        clean: remove partial (scratch) dirs. Pass clean=False from anything but the job itself
-        (e.g. `hpcrl status` on a login node), which could otherwise delete a write in progress.
+        raise ConfigMismatchError (resuming would mix two experiments) unless every changed field
+        matches one of `allowed_changes` (key patterns such as `algorithm.kl_coef` or `rollout`;
+        the user's --allow-config-change), which records a warning and resumes. Give `config` (the
+        resolved job dict) to name the changed fields when the checkpoint stored its job as
+        `extra["config"]`; without it no change can be allowed.
+        deep_check: checks every file's SHA-256 (the job spreads it over its ranks) and returns the
+        first problem, or None; default: here, one file at a time.
+        clean: remove partial (scratch) dirs and keep damaged checkpoints aside as `step-<N>.corrupt`
+        (never loaded, never pruned: the evidence). Pass clean=False from anything but the job itself
+        (e.g. `hpcrl status` on a login node), which could otherwise touch a write in progress.
         """
         self.skipped = []
         if clean:
@@ -246,23 +257,48 @@ class CheckpointStore:
             try:
                 cheap = self.verify(path, deep=False)
             except CheckpointError as exc:
-                self._skip(name, str(exc))
+                self._skip(path, str(exc), clean)
                 continue
             if config_hash is not None and cheap.manifest.config_hash != config_hash:
-                message = self._mismatch(name, cheap.manifest, config_hash, config)
-                if not allow_config_change:
-                    raise ConfigMismatchError(message + ". Revert the change, start a new run directory, or "
-                                              "allow the change explicitly to resume anyway")
-                self.warnings.append(message + "; resuming anyway (config change allowed)")
-                warnings.warn(self.warnings[-1], stacklevel=2)
+                self._check_changes(name, cheap.manifest, config_hash, config, allowed_changes)
+            if deep_check is not None:
+                problem = deep_check(path, cheap.manifest)
+                if problem is None:
+                    return cheap
+                self._skip(path, problem, clean)
+                continue
             try:
                 return self.verify(path, deep=True)
             except CheckpointError as exc:
-                self._skip(name, str(exc))
+                self._skip(path, str(exc), clean)
         return None
 
-    def _skip(self, name: str, reason: str) -> None:
-        self.skipped.append(f"{name}: {reason}; skipped")
+    def _check_changes(self, name: str, manifest: Manifest, current: str, config: dict[str, Any] | None,
+                       allowed: Sequence[str]) -> None:
+        message = self._mismatch(name, manifest, current, config)
+        saved = manifest.extra.get("config")
+        remaining = (config_changes(saved, config, (*SAFE_CONFIG_FIELDS, *allowed))
+                     if config is not None and isinstance(saved, dict) else ["(the changes cannot be named)"])
+        if remaining:
+            raise ConfigMismatchError(
+                message + ". Revert the change, start a new run directory, or, if the checkpoint still fits the "
+                "changed job (not model sizes or parallel layouts), resume anyway with "
+                + " ".join(f"--allow-config-change {change.split(':')[0]}" for change in remaining))
+        self.warnings.append(message + "; resuming anyway (--allow-config-change)")
+        warnings.warn(self.warnings[-1], stacklevel=3)
+
+    def _skip(self, path: Path, reason: str, keep_aside: bool) -> None:
+        name = self._name(path)
+        if keep_aside:
+            aside = path.with_name(f"{path.name}.corrupt")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = path.with_name(f"{path.name}.corrupt-{n}")
+            os.rename(path, aside)
+            self.skipped.append(f"{name}: {reason}; skipped, kept as {self._name(aside)} (not loaded, not pruned)")
+        else:
+            self.skipped.append(f"{name}: {reason}; skipped")
 
     @staticmethod
     def _mismatch(name: str, manifest: Manifest, current: str, config: dict[str, Any] | None) -> str:

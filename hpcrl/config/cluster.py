@@ -114,6 +114,9 @@ class ClusterProfile(Schema):
     device: Literal["cpu", "cuda"]
     device_memory_gb: PositiveFloat
     max_restarts: NonNegativeInt = Field(0, description="automatic restarts from the last checkpoint after a failure")
+    checkpoint_write_gbps: PositiveFloat = Field(2.0, description="GB/s one node writes (and reads back, to hash) "
+                                                 "to the run directory's filesystem: the plan's estimate of a "
+                                                 "checkpoint's save time (measure: bench/checkpoint_bench.py)")
     slurm: SlurmSettings | None = None
 
     @model_validator(mode="after")

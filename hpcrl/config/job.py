@@ -11,6 +11,7 @@ from hpcrl.config.base import (
     PositiveFloat,
     PositiveInt,
     SafeName,
+    Seed,
     Schema,
     UnitInterval,
 )
@@ -217,7 +218,7 @@ class Roles(Schema):
 
 class JobConfig(Schema):
     name: SafeName
-    seed: NonNegativeInt = 1
+    seed: Seed = 1
     model: ModelConfig = ModelConfig()
     task: TaskConfig | None = None
     dataset: DatasetConfig | None = None

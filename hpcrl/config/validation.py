@@ -46,16 +46,18 @@ def _expected(field: Any, error_type: str) -> str:
     bounds = {type(m).__name__: m for m in field.metadata}
     annotation = field.annotation
     base = typing.get_args(annotation)[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) else annotation
+    below = f" below {bounds['Lt'].lt}" if "Lt" in bounds and error_type == "less_than" else ""
     if base is int or error_type.startswith("int"):
         if isinstance(bounds.get("Gt"), annotated_types.Gt) and bounds["Gt"].gt == 0:
-            return "a positive integer"
+            return "a positive integer" + below
         if isinstance(bounds.get("Ge"), annotated_types.Ge) and bounds["Ge"].ge == 0:
-            return "a non-negative integer"
-        return "an integer"
+            return "a non-negative integer" + below
+        return "an integer" + below
     if base is float or error_type.startswith("float"):
+        finite = " (finite)" if error_type == "finite_number" else ""
         if "Gt" in bounds and bounds["Gt"].gt == 0:
-            return "a positive number"
-        return "a number"
+            return "a positive number" + finite
+        return "a number" + finite
     if typing.get_origin(base) is typing.Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(base))
     if base is bool:

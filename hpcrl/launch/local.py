@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -41,12 +42,26 @@ def prepare_run_dir(job: JobConfig, plan: Plan, run_dir: Path) -> Path:
     return resolved
 
 
-def runtime_command(python: str, resolved_job: Path, profile_path: str | None, run_dir: Path) -> list[str]:
+def runtime_command(python: str, resolved_job: Path, profile_path: str | None, run_dir: Path,
+                    resume: ResumeOptions | None = None) -> list[str]:
     """The command every rank runs; the launcher (mpiexec or srun) goes in front of it."""
     command = [python, "-m", "hpcrl.runtime", "--job", str(resolved_job), "--run-dir", str(run_dir)]
     if profile_path:
         command += ["--cluster", str(profile_path)]
-    return command
+    return command + (resume.arguments() if resume is not None else [])
+
+
+@dataclass(frozen=True)
+class ResumeOptions:
+    """How a run may start over its run directory: `restart` from step 0 when no checkpoint can be
+    resumed; `allowed_changes`, job fields that may differ from the checkpoint's."""
+
+    restart: bool = False
+    allowed_changes: tuple[str, ...] = ()
+
+    def arguments(self) -> list[str]:
+        return (["--restart"] if self.restart else []) + [
+            word for key in self.allowed_changes for word in ("--allow-config-change", key)]
 
 
 def _run_forwarding_signals(command: list[str], env: dict[str, str], run_dir: Path) -> int:
@@ -71,7 +86,8 @@ def _run_forwarding_signals(command: list[str], env: dict[str, str], run_dir: Pa
             signal.signal(signum, handler)
 
 
-def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None, plan: Plan, run_dir: Path) -> int:
+def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None, plan: Plan, run_dir: Path,
+              resume: ResumeOptions = ResumeOptions()) -> int:
     """Start the MPI world here and wait for it, holding the run directory's lock; restart after a
     failure up to `max_restarts` times (each restart resumes from the newest valid checkpoint).
     Returns the world's exit code."""
@@ -83,7 +99,7 @@ def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None,
         resolved = prepare_run_dir(job, plan, run_dir)
         clear_control(run_dir)
         command = [mpiexec_path(), "-n", str(plan.world_size)]
-        command += runtime_command(sys.executable, resolved, profile_path, run_dir)
+        command += runtime_command(sys.executable, resolved, profile_path, run_dir, resume)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[TOKEN_ENV] = holder.token
         for attempt in range(profile.max_restarts + 1):

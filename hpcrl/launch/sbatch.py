@@ -10,7 +10,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jinja2
 
@@ -18,6 +18,9 @@ from hpcrl.config import REPO_ROOT, ClusterProfile, ConfigError
 from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
 from hpcrl.launch.lock import TOKEN_ENV
 from hpcrl.placement import Plan
+
+if TYPE_CHECKING:
+    from hpcrl.launch.local import ResumeOptions
 
 TEMPLATE_DIR = REPO_ROOT / "templates"
 TEMPLATE = "job.sbatch.j2"
@@ -83,6 +86,7 @@ class ScriptSpec:
     mpiexec: str = "mpiexec"
     description: tuple[str, ...] = field(default_factory=tuple)
     lock_token: str = ""              # the run directory lock's token, for the ranks (hpcrl.launch.lock)
+    resume: "ResumeOptions | None" = None   # --restart / --allow-config-change for the ranks
 
     @property
     def array(self) -> str | None:
@@ -158,7 +162,8 @@ def render_script(spec: ScriptSpec) -> str:
     check_sbatch_path(spec.run_root, "run directory")
     check_sbatch_path(spec.workdir, "working directory")
     run_dir = Path(RUN_DIR_VAR)
-    command = runtime_command(spec.python, Path(f"{RUN_DIR_VAR}/job.yaml"), f"{RUN_DIR_VAR}/cluster.yaml", run_dir)
+    command = runtime_command(spec.python, Path(f"{RUN_DIR_VAR}/job.yaml"), f"{RUN_DIR_VAR}/cluster.yaml", run_dir,
+                              spec.resume)
     mounts = [*profile.slurm.container_mounts, f"{spec.run_root}:{spec.run_root}"]
     template = _environment().get_template(TEMPLATE)
     return template.render(

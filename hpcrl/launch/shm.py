@@ -20,15 +20,15 @@ PREFIXES = ("mpich_shm_",)
 MIN_AGE_S = 1.0
 
 
-def _mapped() -> set[str]:
-    """Every /dev/shm file some process on this node maps (as far as /proc lets us see)."""
+def _mapped(root: Path) -> set[str]:
+    """Every file under `root` some process on this node maps (as far as /proc lets us see)."""
     paths: set[str] = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/maps") as maps:
-                paths.update(line.split(maxsplit=5)[5].strip() for line in maps if str(SHM) in line)
+                paths.update(line.split(maxsplit=5)[5].strip() for line in maps if str(root) in line)
         except (OSError, IndexError):
             continue
     return paths
@@ -51,7 +51,7 @@ def stale_segments(root: Path = SHM, min_age_s: float = MIN_AGE_S) -> list[Path]
             candidates.append(Path(entry.path))
     if not candidates:
         return []
-    mapped = _mapped()
+    mapped = _mapped(root)
     return sorted(p for p in candidates if str(p) not in mapped)
 
 

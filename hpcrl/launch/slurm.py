@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from hpcrl.config import ClusterProfile, ConfigError, JobConfig, load_profile
+from hpcrl.launch.local import ResumeOptions
 from hpcrl.launch.lock import Holder, RunLockError, acquire, release, update
 from hpcrl.launch.sbatch import SCRIPT_NAME, ScriptSpec, check_sbatch_path, ranks_per_node, render_script
 from hpcrl.launch.scheduler import find_tool, job_record
@@ -218,7 +219,7 @@ def _same_layout(plans: Sequence[Plan], tasks: Sequence[SweepTask], source: str)
 
 def prepare_submission(job_path: str | Path, cluster_path: str | Path, overrides: Sequence[str] = (),
                        chain: int = 1, run_dir: str | Path | None = None,
-                       cwd: str | Path | None = None) -> Submission:
+                       cwd: str | Path | None = None, resume: ResumeOptions | None = None) -> Submission:
     """Load and validate the job (every sweep combination) and the profile, compile the plan(s), render the
     script. Touches no file and runs no Slurm command."""
     from hpcrl.placement import PlacementError
@@ -264,7 +265,7 @@ def prepare_submission(job_path: str | Path, cluster_path: str | Path, overrides
         job_name=job.name, profile=profile, plan=plan, run_root=run_root, workdir=cwd, python=python, kind=kind,
         tasks=len(sweep) if sweep else chain, job_source=str(job_path), profile_source=str(cluster_path),
         mpiexec=_mpiexec_for(python, profile.slurm.mpiexec), description=tuple(description),
-        lock_token=uuid.uuid4().hex)
+        lock_token=uuid.uuid4().hex, resume=resume)
     script = render_script(spec)
     return Submission(job=job, job_path=(cwd / job_path).resolve(), profile=profile,
                       profile_path=(cwd / cluster_path).resolve(), plan=plan, sweep=tuple(sweep), plans=plans,
@@ -301,6 +302,10 @@ def describe_submission(submission: Submission, job_id: str) -> str:
             lines.append(f"  {job_id}_{task.index}  {shown}/{task.dirname}  {task.describe()}")
     log = str(submission.spec.output).replace("%A", job_id).replace("%j", job_id)
     log = log.replace("%a", "*")
+    estimate = submission.plan.checkpoint
+    if estimate is not None and estimate.too_slow:
+        lines.append(f"  warning: a checkpoint takes about {estimate.seconds:.0f} s here and the warning signal comes "
+                     f"{estimate.window_s} s before the time limit (see `hpcrl plan`)")
     lines += [f"  run dir: {shown}", f"  script:  {_short(submission.script_path)}",
               f"  watch:   hpcrl status {shown}", f"           tail -f {_short(Path(log))}",
               f"  cancel:  hpcrl cancel {shown}   (or scancel {job_id}: the ranks save a checkpoint if they can)"]

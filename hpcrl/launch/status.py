@@ -27,6 +27,7 @@ class TaskStatus:
     reward_mean: float | None
     restarts: int | None
     reason: str | None = None
+    problem: str | None = None   # what in the run's files could not be read
 
     @property
     def progress(self) -> str:
@@ -35,8 +36,9 @@ class TaskStatus:
         return f"{self.step if self.step is not None else 0}/{self.total if self.total is not None else '?'}"
 
 
-def _progress(run_dir: Path) -> tuple[int | None, int | None, float | None]:
-    """(last step, total steps, last reward_mean) from the run's metrics and job.yaml."""
+def _progress(run_dir: Path) -> tuple[int | None, int | None, float | None, str | None]:
+    """(last step, total steps, last reward_mean, problem) from the run's metrics and job.yaml; the
+    problem says what in them could not be read."""
     from hpcrl.config import load_job
     from hpcrl.metrics import METRICS_FILE, read_metrics
 
@@ -46,19 +48,19 @@ def _progress(run_dir: Path) -> tuple[int | None, int | None, float | None]:
             total = load_job(run_dir / "job.yaml").train.steps
         except ValueError:
             total = None
-    step = reward = None
+    step = reward = problem = None
     metrics = run_dir / METRICS_FILE
     if metrics.is_file():
         try:
             records = [r for r in read_metrics(metrics) if isinstance(r.get("step"), int)]
-        except (OSError, ValueError):
-            records = []
+        except (OSError, ValueError) as exc:
+            records, problem = [], str(exc)
         if records:
             last = max(records, key=lambda r: r["step"])
             step = last["step"]
             value = last.get("reward_mean")
             reward = float(value) if isinstance(value, (int, float)) else None
-    return step, total, reward
+    return step, total, reward, problem
 
 
 def _last_job(run_root: Path) -> dict | None:
@@ -75,9 +77,9 @@ def run_status(run_root: str | Path, env: Mapping[str, str] | None = None) -> li
     run_root = Path(run_root)
     job = _last_job(run_root)
     if job is None:
-        step, total, reward = _progress(run_root)
+        step, total, reward, problem = _progress(run_root)
         state = "finished" if step is not None and total is not None and step >= total else "-"
-        return [TaskStatus(str(run_root), None, state, "local", step, total, reward, None)]
+        return [TaskStatus(str(run_root), None, state, "local", step, total, reward, None, problem=problem)]
     job_id, kind, tasks = str(job["job_id"]), job.get("kind", "single"), int(job.get("tasks", 1))
     if kind == "single":
         targets = [(job_id, run_root)]
@@ -90,13 +92,14 @@ def run_status(run_root: str | Path, env: Mapping[str, str] | None = None) -> li
     rows = []
     for task_id, run_dir in targets:
         record: JobRecord | None = records.get(task_id) or record_from_events(run_dir, task_id)
-        step, total, reward = _progress(run_dir)
+        step, total, reward, problem = _progress(run_dir)
         if record is None:
-            rows.append(TaskStatus(str(run_dir), task_id, "UNKNOWN", "none", step, total, reward, None))
+            rows.append(TaskStatus(str(run_dir), task_id, "UNKNOWN", "none", step, total, reward, None,
+                                   problem=problem))
             continue
         reason = record.reason if record.reason not in (None, "None") else None
         rows.append(TaskStatus(str(run_dir), task_id, record.state, record.source, step, total, reward,
-                               record.restarts, reason))
+                               record.restarts, reason, problem))
     return rows
 
 
@@ -128,6 +131,7 @@ def format_status(rows: list[TaskStatus], note: str | None = None) -> str:
     if marked:
         lines.append("* from the run's job_events.jsonl: Slurm has no record of the job "
                      f"({note or 'it ended more than MinJobAge ago and sacct is unavailable'})")
+    lines += [f"warning: {problem}" for problem in dict.fromkeys(r.problem for r in rows if r.problem)]
     return "\n".join(lines)
 
 

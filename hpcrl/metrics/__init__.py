@@ -5,7 +5,7 @@ Nothing here imports torch or matplotlib at import time: TensorBoard writing imp
 reporting work on a login node.
 """
 
-from .jsonl import METRICS_FILE, MetricsLog, read_metrics
+from .jsonl import METRICS_FILE, SUPERSEDED_FILE, MetricsLog, read_metrics
 from .progress import StepProgress, format_step_line, format_summary_line, sparkline
 from .recorder import StepRecorder
 from .report import REPORT_FILE, RunSummary, format_summary, report_main, summarize, write_report
@@ -14,6 +14,7 @@ from .tensorboard import TENSORBOARD_DIR, TensorBoardLog, TensorBoardUnavailable
 __all__ = [
     "METRICS_FILE",
     "REPORT_FILE",
+    "SUPERSEDED_FILE",
     "TENSORBOARD_DIR",
     "MetricsLog",
     "RunSummary",

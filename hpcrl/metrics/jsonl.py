@@ -1,8 +1,9 @@
 """Step metrics as JSON Lines: the run's durable, append-only record.
 
 One line per step, flushed and fsync'ed as it is written, so a job killed by Slurm (preemption,
-time limit) loses at most the line being written. On resume the file is cut back to the
-checkpoint's step (atomically), so a resumed run has every step exactly once.
+time limit) loses at most the line being written. On resume the records past the checkpoint's
+step (which the resumed run computes again) move to metrics.superseded.jsonl, and a run started
+over moves all of them there: metrics.jsonl has every step exactly once, and no record is lost.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
 
 
 def _to_json(value: Any) -> Any:
@@ -108,26 +110,43 @@ def rewrite_atomically(path: Path, records: list[dict[str, Any]]) -> None:
     _fsync_dir(path.parent)
 
 
+def supersede(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append `records` to the superseded file beside `path` (durably, before they leave `path`)."""
+    if not records:
+        return
+    with open(path.with_name(SUPERSEDED_FILE), "a", encoding="utf-8") as f:
+        for record in records:
+            f.write(dumps_record(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class MetricsLog:
     """Append-only JSONL writer, one durable line per ``write``.
 
-    ``resume_step=N`` first rewrites the file keeping only records with ``step <= N`` (the steps
-    the checkpoint covers); ``fresh=True`` starts an empty file. With neither, existing records
-    are kept and a torn last line (killed mid-write) is cut off before appending.
+    ``resume_step=N`` first keeps only records with ``step <= N`` (the steps the checkpoint
+    covers); ``fresh=True`` starts an empty file. The records dropped either way go to
+    metrics.superseded.jsonl first. With neither, existing records are kept and a torn last line
+    (killed mid-write) is cut off before appending.
     """
 
     def __init__(self, path: str | os.PathLike[str], resume_step: int | None = None,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, restored: list[dict[str, Any]] | None = None) -> None:
+        """`restored`: the checkpoint's own record of its steps, which fills in steps missing here
+        (a deleted or damaged metrics.jsonl); `self.rebuilt` counts them."""
         if fresh and resume_step is not None:
             raise ValueError("give resume_step or fresh=True, not both")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh:
-            rewrite_atomically(self.path, [])
-        elif resume_step is not None:
-            kept = [r for r in read_metrics(self.path) if _step_of(r) <= resume_step] \
-                if self.path.exists() else []
-            rewrite_atomically(self.path, kept)
+        self.rebuilt = 0
+        if fresh or resume_step is not None:
+            records = read_metrics(self.path) if self.path.exists() else []
+            kept = [] if fresh else [r for r in records if _step_of(r) <= resume_step]
+            supersede(self.path, records if fresh else [r for r in records if _step_of(r) > resume_step])
+            present = {_step_of(r) for r in kept}
+            missing = [r for r in restored or [] if _step_of(r) not in present and _step_of(r) <= (resume_step or 0)]
+            self.rebuilt = len(missing)
+            rewrite_atomically(self.path, sorted(kept + missing, key=_step_of))
         else:
             self._drop_torn_tail()
         self._file = open(self.path, "a", encoding="utf-8")

@@ -9,6 +9,7 @@ the checkpoint was saved after (0 for a fresh run).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -27,7 +28,9 @@ class StepRecorder:
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int, print_every: int,
-                 tensorboard: bool, resume_step: int = 0, show_progress: bool = True) -> None:
+                 tensorboard: bool, resume_step: int = 0, show_progress: bool = True,
+                 restored: list[dict[str, Any]] | None = None) -> None:
+        """`restored`: the checkpoint's record of steps 1..resume_step, to rebuild what the JSONL lacks."""
         if resume_step < 0:
             raise ValueError(f"resume_step must be >= 0, got {resume_step}")
         self.run_dir = Path(run_dir)
@@ -36,7 +39,10 @@ class StepRecorder:
         self.resume_step = int(resume_step)
         history: list[tuple[int, float]] = []
         if self.resume_step > 0:
-            self.jsonl = MetricsLog(self.metrics_path, resume_step=self.resume_step)
+            self.jsonl = MetricsLog(self.metrics_path, resume_step=self.resume_step, restored=restored)
+            if self.jsonl.rebuilt:
+                print(f"hpcrl: {self.metrics_path}: {self.jsonl.rebuilt} step(s) were missing; rebuilt from the "
+                      "checkpoint's record of them", file=sys.stderr, flush=True)
             for record in read_metrics(self.metrics_path):
                 reward = scalar_value(record.get("reward_mean"))
                 step = scalar_value(record.get("step"))

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from hpcrl.config.cluster import ClusterProfile
 from hpcrl.config.job import JobConfig, Parallel
 from hpcrl.placement.errors import PlacementError
-from hpcrl.placement.memory import GIB, MemoryEstimate, ModelShape, estimate_role_memory
-from hpcrl.placement.plan import STAGES, Plan, RolePlan, StagePlan, on_device
+from hpcrl.placement.memory import (DTYPE_BYTES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape, count_parameters,
+                                    estimate_role_memory)
+from hpcrl.placement.plan import STAGES, CheckpointEstimate, Plan, RolePlan, StagePlan, on_device
 from hpcrl.placement.rank_groups import megatron_groups
 
 
@@ -297,10 +298,27 @@ def _check_memory(stages: dict[str, StagePlan], slots: dict[str, list[int]], mem
     return filled
 
 
+def _check_batches(job: JobConfig, roles: dict[str, _Role]) -> None:
+    """Every trainer replica gets the same share of a step's samples, and the share splits into
+    `train.minibatches` (else a train step would fail, or some replicas train on more)."""
+    samples = job.train.prompts_per_step * job.algorithm.group_size
+    for name in ("actor_train", "critic"):
+        role = roles.get(name)
+        if role is None:
+            continue
+        dp, minibatches = role.parallel.dp, job.train.minibatches
+        if samples % (dp * minibatches):
+            raise PlacementError(
+                f"train.prompts_per_step x algorithm.group_size = {samples} samples per step do not split into "
+                f"roles.{name}.parallel.dp = {dp} replicas x train.minibatches = {minibatches}: make the product "
+                f"{job.train.prompts_per_step} x {job.algorithm.group_size} a multiple of {dp * minibatches}")
+
+
 def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     """The static device map of `job` on `profile`; raises PlacementError naming the role and field."""
     roles = _resolve_roles(job)
     _check_parallel(roles, profile)
+    _check_batches(job, roles)
     per_node = profile.devices_per_node
     slots = _Placer(roles, profile).run()
     _check_tp_in_node(roles, slots, per_node)
@@ -329,4 +347,20 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
                        for stage in STAGES})
     return Plan(world_size=1 + len(used), nodes=profile.nodes, devices_per_node=per_node, roles=role_plans,
                 stages=stages, job=job.name, cluster=profile.name, device=profile.device,
-                device_memory_gb=profile.device_memory_gb)
+                device_memory_gb=profile.device_memory_gb,
+                checkpoint=_checkpoint_estimate(job, profile, shape, role_plans))
+
+
+def _checkpoint_estimate(job: JobConfig, profile: ClusterProfile, shape: ModelShape,
+                         roles: dict[str, RolePlan]) -> CheckpointEstimate:
+    """The trained roles' weights and optimizer state (Adam's two moments in fp32, and fp32 master
+    weights under a 16-bit dtype), written and read back (hashed) by the nodes holding them."""
+    per_param = DTYPE_BYTES[job.model.dtype] + 8 + (4 if DTYPE_BYTES[job.model.dtype] < 4 else 0)
+    trained = [r for name, r in roles.items() if name in TRAINING_ROLES]
+    size = sum(count_parameters(shape, head="value" if r.name == "critic" else "lm") * per_param for r in trained)
+    nodes = len({n for r in trained for n in r.nodes}) or 1
+    seconds = 2 * size / 1e9 / (profile.checkpoint_write_gbps * nodes)
+    window = None
+    if profile.slurm is not None:
+        window = int(profile.slurm.signal.split("@")[1]) if "@" in profile.slurm.signal else 60
+    return CheckpointEstimate(size, seconds, nodes, profile.checkpoint_write_gbps, window)

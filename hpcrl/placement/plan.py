@@ -81,6 +81,21 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class CheckpointEstimate:
+    """How big a checkpoint is and how long saving it takes (every node writes and hashes its share)."""
+
+    bytes: int
+    seconds: float
+    nodes: int
+    gbps: float
+    window_s: int | None      # how long before the time limit the warning signal comes (Slurm profiles)
+
+    @property
+    def too_slow(self) -> bool:
+        return self.window_s is not None and self.seconds > 0.8 * self.window_s
+
+
+@dataclass(frozen=True)
 class Plan:
     """The static device map of one job on one cluster profile."""
 
@@ -93,6 +108,7 @@ class Plan:
     cluster: str = ""
     device: str = "cuda"
     device_memory_gb: float = 0.0
+    checkpoint: CheckpointEstimate | None = None
 
     @property
     def used_slots(self) -> tuple[int, ...]:
@@ -125,6 +141,10 @@ class Plan:
         return [] if rank == CONTROLLER_RANK else self.roles_on_slot(self.slot_of_rank(rank))
 
     def to_json(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+        data = {"world_size": self.world_size, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
                 "roles": {name: role.to_json() for name, role in self.roles.items()},
                 "stages": {name: stage.to_json() for name, stage in self.stages.items()}}
+        if self.checkpoint is not None:
+            data["checkpoint"] = {"bytes": self.checkpoint.bytes, "seconds": round(self.checkpoint.seconds, 3),
+                                  "nodes": self.checkpoint.nodes, "window_s": self.checkpoint.window_s}
+        return data

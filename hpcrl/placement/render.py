@@ -38,6 +38,19 @@ def _grid(plan: Plan, cell) -> list[str]:
     return lines
 
 
+def _checkpoint_line(plan: Plan) -> str:
+    c = plan.checkpoint
+    line = (f"checkpoint: {human_bytes(c.bytes)} (trained weights + optimizer state), about {c.seconds:.0f} s to "
+            f"write and hash at {c.gbps:g} GB/s per node from {c.nodes} node(s)")
+    if c.window_s is not None:
+        line += f"; the warning signal comes {c.window_s} s before the time limit"
+    if c.too_slow:
+        line += (f"\nWARNING: the checkpoint may not be saved within the warning window: give the profile's "
+                 f"slurm.signal more seconds (e.g. B:USR2@{int(c.seconds * 1.5) + 60}), or checkpoint.every to save "
+                 f"regularly (checkpoint_write_gbps {c.gbps:g}: measure yours with bench/checkpoint_bench.py)")
+    return line
+
+
 def format_plan(plan: Plan) -> str:
     """Per stage the nodes x devices grid with the role(s) on each slot, then each role's layout and memory."""
     used = plan.used_slots
@@ -73,6 +86,8 @@ def format_plan(plan: Plan) -> str:
     lines.append("legend: " + ", ".join(f"{CODES[n]} {n}" for n in present)
                  + "; UPPER active, lower idle on the device, ~lower in host memory (a shared slot's inactive roles), . unused")
 
+    if plan.checkpoint is not None:
+        lines += ["", _checkpoint_line(plan)]
     lines.append("")
     lines.append("roles (groups in Megatron order tp-cp-ep-dp-pp, as world ranks)")
     for name, role in plan.roles.items():

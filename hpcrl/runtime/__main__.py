@@ -31,6 +31,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--job", required=True, help="the resolved job YAML written by the launcher")
     parser.add_argument("--cluster", default=None, help="cluster profile YAML (default: the local profile)")
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--restart", action="store_true",
+                        help="start over from step 0 if no checkpoint can be resumed (else: refuse)")
+    parser.add_argument("--allow-config-change", action="append", default=[], metavar="KEY",
+                        help="a job field that may differ from the checkpoint's (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -125,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller
 
-            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION)
-            code = controller.run()
+            from hpcrl.checkpoint import ConfigMismatchError
+            from hpcrl.config.constants import EXIT_REFUSED
+            from hpcrl.runtime.checkpointing import RefusedError
+
+            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, args.restart,
+                                    args.allow_config_change)
+            try:
+                code = controller.run()
+            except (RefusedError, ConfigMismatchError) as exc:   # nothing a restart would change
+                abort(f"hpcrl: {exc}", EXIT_REFUSED)
             controller.shutdown()
         else:
             from hpcrl.runtime.worker import serve

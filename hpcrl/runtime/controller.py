@@ -15,6 +15,7 @@ controller never loops over tokens in Python.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean, pstdev
@@ -79,8 +80,13 @@ class _InFlight:
 
 
 class Controller:
-    def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path, preemption: PreemptionSignal):
+    def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path, preemption: PreemptionSignal,
+                 restart: bool = False, allowed_changes: Sequence[str] = ()):
+        """`restart`: start over from step 0 when no checkpoint can be resumed although the run
+        directory holds a run; `allowed_changes`: job fields that may differ from the checkpoint's."""
         self.job = job
+        self.restart = restart
+        self.allowed_changes = tuple(allowed_changes)
         self.tokenizer = tokenizer
         self.run_dir = run_dir
         self.groups = {name: WorkerGroup.of(role) for name, role in layout.roles.items()}
@@ -285,7 +291,7 @@ class Controller:
         run(self.everyone, "ready", Dispatch.ONE_TO_ALL)   # every role built: the first sync waits for no one
         self._sync_now()  # rollout starts from exactly the trainer's weights, checked once
         with StepRecorder(self.run_dir, job.train.steps, job.log.print_every, job.log.tensorboard,
-                          resume_step=self.step) as recorder:
+                          resume_step=self.step, restored=self.history) as recorder:
             step_started = time.perf_counter()
             while self.step < job.train.steps:
                 self._advance()
@@ -307,7 +313,8 @@ class Controller:
                     step_started = time.perf_counter()
                     metrics.update(self._step_times(elapsed, metrics["samples"]))
                     recorder.record(self.step, {"step": self.step, **metrics, "policy_version": self.step})
-                    self.history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+                    self.history.append({"step": self.step, **{k: v for k, v in metrics.items()
+                                                                if isinstance(v, (int, float))}})
                     request = self._request()
                     if request is not None or self.checkpointer.due(self.step):
                         self._save()
@@ -360,7 +367,7 @@ class Controller:
         self.checkpointer.save(self.step, state, self.history, self.scheduler.buffer())
 
     def _restore(self) -> None:
-        state = self.checkpointer.restore()
+        state = self.checkpointer.restore(self.allowed_changes, self.restart)
         if state is None:
             return
         controller = state.controller

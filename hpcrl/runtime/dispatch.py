@@ -118,6 +118,8 @@ def _receive_one() -> Pending:
             continue
         if tag == TAG_ERROR:
             assert isinstance(message, ErrorReport)
+            if _watchdog is not None:
+                _watchdog.error_reported(message)   # aborts naming a dead peer, if one died
             abort(f"hpcrl: {message.describe()}\nhpcrl: aborting all ranks.")
         if tag != TAG_REPLY or not isinstance(message, Reply) or message.call_id not in _outstanding:
             abort(f"hpcrl: controller got an unexpected message (tag {tag}) from rank {source}")

@@ -1,7 +1,8 @@
 """Deliberate failures for testing recovery: `HPCRL_INJECT_FAULT=RANK:METHOD:N[:KIND]`.
 
-The N-th call of METHOD on rank RANK raises (KIND `raise`, the default) or kills the process
-(`exit`: no Python cleanup, as a segfault or OOM kill would). Used by the fault-tolerance tests
+The N-th call of METHOD on rank RANK raises (KIND `raise`, the default), kills the process
+(`exit`: no Python cleanup, as a segfault or OOM kill would) or never returns (`hang`: the rank
+stays alive and keeps its heartbeat, as in a deadlocked collective). Used by the fault-tolerance tests
 and by operators rehearsing a failure on a real cluster; unset, it costs one dict lookup.
 `HPCRL_INJECT_DECODE_DELAY_S=S` slows the native sampler by S seconds per decoding step, so that
 tests can make a generation round outlast a timeout.
@@ -9,6 +10,7 @@ tests can make a generation round outlast a timeout.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 
 _calls: Counter[str] = Counter()
@@ -25,6 +27,9 @@ def maybe_fail(rank: int, method: str) -> None:
     if _calls[method] == int(parts[2]):
         if len(parts) == 4 and parts[3] == "exit":
             os._exit(3)
+        if len(parts) == 4 and parts[3] == "hang":
+            while True:
+                time.sleep(60)
         raise RuntimeError(f"injected fault: call {parts[2]} of {method} on rank {rank} (HPCRL_INJECT_FAULT)")
 
 

@@ -60,7 +60,7 @@ def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> Trainin
 
 def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> torch.Generator:
     """Sampling randomness as a pure function of (seed, step, replica, round): resumable and reproducible."""
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + replica) * 101 + attempt)
+    return torch.Generator().manual_seed((((seed * 1_000_003 + step) * 1_009 + replica) * 101 + attempt) % 2**63)
 
 
 class ActorTrain:

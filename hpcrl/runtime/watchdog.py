@@ -25,12 +25,13 @@ from pathlib import Path
 
 from hpcrl.config.constants import EXIT_HUNG
 from hpcrl.config.job import WatchdogConfig
-from hpcrl.runtime.messages import TAG_DUMP, TAG_HEARTBEAT, Beat
+from hpcrl.runtime.messages import TAG_DUMP, TAG_HEARTBEAT, Beat, ErrorReport
 from hpcrl.runtime.mpi_world import CONTROLLER, abort, poll_recv, send
 from hpcrl.runtime.supervisor import EXITS_DIR, describe_exit, read_exit_record
 
 TICK_S = 1.0   # how often the controller looks (when no message is waiting)
 DUMP_WAIT_S = 3.0
+DEATH_RECORD_WAIT_S = 2.0   # how long a raised error waits for a dead peer's record (the likelier cause)
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,7 @@ class Watchdog:
         message is waiting (the heartbeats received are all counted)."""
         now = time.monotonic()
         self.last_check = now
-        dead = self._dead_ranks()
-        if dead:
-            lines = [f"hpcrl: {self.ranks[rank].describe(rank) if rank in self.ranks else f'rank {rank}'} died: "
-                     f"{describe_exit(record)}{self._doing(rank)}" for rank, record in dead]
-            abort("\n".join(lines) + "\nhpcrl: aborting all ranks.", EXIT_HUNG)
+        self._abort_if_dead()
         for rank, seen in self.last_beat.items():
             if now - seen > self.config.lost_after_s:
                 self._hung(f"{self.ranks[rank].describe(rank)} has sent no heartbeat for {now - seen:.1f} s "
@@ -124,6 +121,23 @@ class Watchdog:
             if now - started > self.deadline(method):
                 self._hung(f"{self.ranks[rank].describe(rank)} has not answered {method} after {now - started:.1f} s "
                            f"(deadline {self.deadline(method):.0f} s: {self._deadline_rule(method)}){self._doing(rank)}")
+
+    def _abort_if_dead(self, consequence: str = "") -> None:
+        dead = self._dead_ranks()
+        if dead:
+            lines = [f"hpcrl: {self.ranks[rank].describe(rank) if rank in self.ranks else f'rank {rank}'} died: "
+                     f"{describe_exit(record)}{self._doing(rank)}" for rank, record in dead]
+            abort("\n".join(lines) + consequence + "\nhpcrl: aborting all ranks.", EXIT_HUNG)
+
+    def error_reported(self, report: ErrorReport) -> None:
+        """A rank raised: when a peer of it died (its collective then fails), the death is the cause.
+        Its supervisor's record comes within a moment; a rank that raised on its own is reported as is."""
+        deadline = time.monotonic() + DEATH_RECORD_WAIT_S
+        while time.monotonic() < deadline:
+            last = report.traceback.strip().splitlines()[-1] if report.traceback.strip() else ""
+            self._abort_if_dead(f"\nhpcrl: then rank {report.rank} (role {report.role}) failed in {report.method}: "
+                                f"{last}")
+            time.sleep(0.1)
 
     def _dead_ranks(self) -> list[tuple[int, dict]]:
         folder = self.run_dir / EXITS_DIR

@@ -32,6 +32,22 @@ class RankHost:
                 role.save(Path(path))
         save_rng(Path(path), COMM.Get_rank())
 
+    def hash_files(self, path: str, shares: dict[int, list[str]]) -> dict[str, tuple[int, str]]:
+        """Size and SHA-256 of this rank's share of a checkpoint's files, each fsync'ed on the way."""
+        from hpcrl.checkpoint.manifest import sha256_file
+
+        return {name: tuple(vars(sha256_file(Path(path) / name, fsync=True)).values())
+                for name in shares.get(COMM.Get_rank(), [])}
+
+    def check_files(self, path: str, shares: dict[int, list[tuple[str, str]]]) -> str | None:
+        """The first of this rank's share of a checkpoint's files whose SHA-256 is not the manifest's."""
+        from hpcrl.checkpoint.manifest import sha256_file
+
+        for name, expected in shares.get(COMM.Get_rank(), []):
+            if sha256_file(Path(path) / name).sha256 != expected:
+                return f"{name}: SHA-256 mismatch (corrupt)"
+        return None
+
     def load_checkpoint(self, path: str) -> None:
         from hpcrl.checkpoint import load_rng
 
