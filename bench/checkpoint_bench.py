@@ -7,11 +7,20 @@ the manifest and renaming; "verify" is latest_valid re-hashing it on resume; "lo
 model + optimizer restored from it (checked bit-exact). Load reads from the page cache, so it is
 an upper bound for a cold parallel filesystem.
 
-    python bench/checkpoint_bench.py [--dir /scratch/x] [--threads 1] [--skip-100m]
+`--parallel` (the runtime's way): a ~300M-parameter Qwen2 sharded with FSDP2 over 1, 2 and 4 MPI
+ranks (gloo); every rank writes its own DCP shards, then hashes and fsyncs its share of the files
+(greedy by size, as runtime/checkpointing.py spreads them), and the aggregate GB/s of each is
+printed next to the single writer's. On this machine the ranks share 2 cores and one disk.
+
+    python bench/checkpoint_bench.py [--dir /scratch/x] [--threads 1] [--skip-100m] [--parallel]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +42,21 @@ def tiny_model() -> torch.nn.Module:
     return build_model(job.model, CharTokenizer(), job.seed)
 
 
-def model_100m() -> torch.nn.Module:
-    config = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True,
-                         max_position_embeddings=2048)
+def qwen2(hidden: int, intermediate: int, layers: int, heads: int) -> torch.nn.Module:
+    """A Qwen2-shaped model with seeded random weights (4 KV heads, tied embeddings)."""
+    config = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=4,
+                         tie_word_embeddings=True, max_position_embeddings=2048)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config)
+
+
+def model_100m() -> torch.nn.Module:
+    return qwen2(768, 2048, 12, 12)
+
+
+def model_300m() -> torch.nn.Module:
+    return qwen2(1024, 2816, 24, 16)
 
 
 def optimizer_step(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -81,12 +99,77 @@ def bench(name: str, make, root: Path, threads: int) -> dict:
             "commit": t2 - t1, "verify": t3 - t2, "load": t5 - t4}
 
 
+def parallel_worker(root: Path) -> None:
+    """One rank of the --parallel measurement (run under mpiexec): FSDP2 shards, DCP, hashing."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpcrl.checkpoint.manifest import sha256_file
+    from hpcrl.runtime.checkpointing import _shares
+    from hpcrl.runtime.mpi_world import init_torch_distributed
+
+    comm = MPI.COMM_WORLD
+    init_torch_distributed("gloo")
+    group = dist.new_group(list(range(comm.Get_size())))
+    model = model_300m()
+    if comm.Get_size() > 1:
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = optimizer_step(model)
+    path = root / f"ranks-{comm.Get_size()}"
+    dist.barrier()
+    started = time.perf_counter()
+    save_train_state(model, optimizer, path, group if comm.Get_size() > 1 else None)
+    dist.barrier()
+    saved = time.perf_counter()
+    names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) if comm.Get_rank() == 0 else None
+    shares = comm.bcast(_shares(path, names, list(range(comm.Get_size()))) if names is not None else None)
+    mine = [sha256_file(path / name, fsync=True) for name in shares[comm.Get_rank()]]
+    dist.barrier()
+    hashed = time.perf_counter()
+    nbytes = comm.allreduce(sum(entry.size for entry in mine))
+    if comm.Get_rank() == 0:
+        print(json.dumps({"ranks": comm.Get_size(), "gb": nbytes / 1e9, "save": saved - started,
+                          "hash": hashed - saved}), flush=True)
+    dist.destroy_process_group()
+
+
+def parallel(root: Path) -> None:
+    from hpcrl.launch.local import mpiexec_path
+
+    rows = []
+    for ranks in (1, 2, 4):
+        out = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--worker", str(root)],
+                             capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    single = rows[0]["gb"] / (rows[0]["save"] + rows[0]["hash"])
+    print(f"{'ranks':>5} {'size GB':>8} {'save s':>7} {'hash s':>7} {'GB/s':>6} {'vs 1 writer':>11}")
+    for r in rows:
+        rate = r["gb"] / (r["save"] + r["hash"])
+        print(f"{r['ranks']:>5} {r['gb']:>8.2f} {r['save']:>7.2f} {r['hash']:>7.2f} {rate:>6.2f} {rate / single:>10.2f}x")
+    print("a ~300M-parameter Qwen2 + AdamW state, FSDP2 shards: every rank writes its own (DCP, fsync'd), then "
+          "hashes and fsyncs its share of the files; GB/s = size / (save + hash)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
     parser.add_argument("--threads", type=int, default=1, help="DCP writer threads")
     parser.add_argument("--skip-100m", action="store_true")
+    parser.add_argument("--parallel", action="store_true", help="the 300M model on 1, 2 and 4 writer ranks")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker is not None:
+        parallel_worker(args.worker)
+        return
+    if args.parallel:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="hpcrl-ckpt-bench-") as tmp:
+            parallel(Path(tmp))
+        return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     models = [("tiny_grpo", tiny_model)] + ([] if args.skip_100m else [("qwen2-100m", model_100m)])
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="hpcrl-ckpt-bench-") as tmp:
