@@ -32,14 +32,14 @@ from hpcrl.checkpoint import CheckpointStore
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.config import load_job
 from hpcrl.data import CharTokenizer
-from hpcrl.engines.hf_model import build_model
+from hpcrl.engines.hf_model import random_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_model() -> torch.nn.Module:
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml")
-    return build_model(job.model, CharTokenizer(), job.seed)
+    return random_model(job.model, CharTokenizer(), job.seed)
 
 
 def qwen2(hidden: int, intermediate: int, layers: int, heads: int) -> torch.nn.Module:

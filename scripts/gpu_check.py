@@ -16,6 +16,7 @@ import random
 import socket
 import sys
 import time
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -77,11 +78,12 @@ def one_rank_world() -> None:
 
 
 def build(args: argparse.Namespace, rollout_kind: str):
-    import copy
+    import tempfile
 
     from hpcrl.config.job import JobConfig
     from hpcrl.data import CharTokenizer
-    from hpcrl.engines.hf_model import build_model
+    from hpcrl.engines.hf_model import DTYPES
+    from hpcrl.engines.model_files import ModelFiles, load_full, write_random_init
     from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
     from hpcrl.engines.registry import generation_engine, training_engine
 
@@ -96,17 +98,17 @@ def build(args: argparse.Namespace, rollout_kind: str):
         "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {"engine": rollout_kind}},
     })
     tokenizer = CharTokenizer()
-    hf = build_model(job.model, tokenizer, job.seed)
+    files = ModelFiles(write_random_init(job, tokenizer, Path(tempfile.mkdtemp(prefix="hpcrl-gpu-check-"))))
     started = time.perf_counter()
     groups = new_role_groups(role_rank_groups({"tp": 1}, [0]), 0)
-    trainer = training_engine("megatron")(hf, job, tokenizer.pad_token_id, groups)
+    trainer = training_engine("megatron")(files, job, tokenizer.pad_token_id, groups, "cuda:0")
     say(f"megatron engine built in {time.perf_counter() - started:.1f}s")
     started = time.perf_counter()
     if rollout_kind == "vllm":
-        rollout = generation_engine("vllm")(hf, tokenizer.eos_token_id, job.seed, gpu_memory_utilization=0.3,
-                                            enforce_eager=True)
+        rollout = generation_engine("vllm")(files.path, DTYPES[job.model.dtype], tokenizer.eos_token_id, job.seed,
+                                            gpu_memory_utilization=0.3, enforce_eager=True)
     else:
-        rollout = generation_engine("native")(copy.deepcopy(hf).float(), tokenizer.eos_token_id,
+        rollout = generation_engine("native")(load_full(files, "float32", "cuda"), tokenizer.eos_token_id,
                                               tokenizer.pad_token_id)
     say(f"{rollout_kind} engine built in {time.perf_counter() - started:.1f}s")
     return job, tokenizer, trainer, rollout

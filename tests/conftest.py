@@ -23,3 +23,24 @@ def hpcrl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None
     """Run the real `hpcrl` command line (as a user would) and capture its output."""
     return subprocess.run([sys.executable, "-m", "hpcrl", *args], cwd=cwd or REPO, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def random_files(job, tokenizer, directory: Path):
+    """The job's seeded random model as HF files under `directory`, as the controller writes it."""
+    from hpcrl.engines.model_files import ModelFiles, write_random_init
+
+    return ModelFiles(write_random_init(job, tokenizer, directory))
+
+
+def mpi_findings(script: str, ranks: int, out: Path, timeout: float = 600) -> dict:
+    """Run `script` as a real MPI program of `ranks` ranks (it writes its findings to `out` as JSON,
+    from one rank) and return them; a failed rank fails the test with the ranks' output."""
+    import json
+
+    from hpcrl.launch.local import mpiexec_path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, script, str(out)], capture_output=True,
+                            text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return json.loads(out.read_text())

@@ -4,12 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+import tempfile
+from pathlib import Path
+
+from conftest import REPO, random_files
 
 from hpcrl.config import load_job
 from hpcrl.data import CharTokenizer
 from hpcrl.engines.batch import pack, response_logprobs
-from hpcrl.engines.hf_model import build_model
+from hpcrl.engines.hf_model import random_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams, _filter_logits
 from hpcrl.ragged import Ragged
 
@@ -21,13 +24,13 @@ def rows(token_lists) -> Ragged:
 def tiny():
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml")
     tokenizer = CharTokenizer()
-    return job, tokenizer, build_model(job.model, tokenizer, job.seed)
+    return job, tokenizer, random_model(job.model, tokenizer, job.seed)
 
 
 def test_same_seed_builds_identical_weights_and_another_seed_does_not():
     job, tokenizer, model = tiny()
-    again = build_model(job.model, tokenizer, job.seed)
-    other = build_model(job.model, tokenizer, job.seed + 1)
+    again = random_model(job.model, tokenizer, job.seed)
+    other = random_model(job.model, tokenizer, job.seed + 1)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
 
@@ -88,7 +91,8 @@ def one_train_step(job, lr: float) -> tuple[dict[str, float], bool]:
     from hpcrl.engines.torch_trainer import Samples, TorchTrainer
 
     tokenizer = CharTokenizer()
-    trainer = TorchTrainer(build_model(job.model, tokenizer, job.seed), job, tokenizer.pad_token_id, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = TorchTrainer(random_files(job, tokenizer, Path(tmp)), job, tokenizer.pad_token_id, None)
     prompts, responses = rows([tokenizer.encode("1+2=")] * 4), rows([[6, 2], [5], [7, 2], [4, 4, 2]])
     old = trainer.logprobs(prompts, responses)
     before = [p.clone() for p in trainer.module.parameters()]

@@ -12,7 +12,8 @@ from hpcrl.config import REPO_ROOT, load_job, load_profile
 from hpcrl.engines import registry
 from hpcrl.engines.megatron.config import gpt_model_kwargs, transformer_config_kwargs
 from hpcrl.engines.megatron.groups import role_rank_groups
-from hpcrl.engines.megatron.packing import micro_batch_count, micro_batches, pack
+from hpcrl.engines.megatron.packing import equal_micro_batches, pack
+from hpcrl.engines.micro_batches import MicroBatching
 from hpcrl.placement import compile_plan
 from hpcrl.ragged import Ragged
 
@@ -82,10 +83,20 @@ def test_packed_rows_start_at_column_zero_and_index_the_logits_that_predict_each
     assert batch["advantages"].tolist() == [[0.5, 0.5], [1.0, 0.0]]
 
 
-def test_micro_batches_fill_the_pipeline_and_split_evenly():
-    assert micro_batch_count(8, 1) == 1 and micro_batch_count(8, 2) == 2 and micro_batch_count(6, 4) == 6
-    parts = micro_batches({"x": torch.arange(8)}, 4)
-    assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+def test_pipeline_micro_batches_fill_the_pipeline_split_evenly_and_keep_the_bounds():
+    prompts, responses = np.array([3, 1, 4, 1, 5, 9, 2, 6]), np.array([2, 2, 2, 2, 2, 2, 2, 2])
+
+    def sizes(cut, pp):
+        groups = equal_micro_batches(cut, prompts, responses, pp)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(8)), "every sample exactly once"
+        return [len(g) for g in groups]
+
+    assert sizes(MicroBatching(joined=True), 1) == [8] and sizes(MicroBatching(joined=True), 2) == [4, 4]
+    assert sizes(MicroBatching(joined=True), 3) == [2, 2, 2, 2]          # 3 does not divide 8: the next that does
+    assert sizes(MicroBatching(samples=1, joined=True), 2) == [1] * 8
+    assert sizes(MicroBatching(tokens=22, joined=True), 1) == [2, 2, 2, 2]   # width 11: at most 2 rows
+    longest_first = equal_micro_batches(MicroBatching(joined=True), prompts, responses, 2)
+    assert longest_first[0].tolist() == [5, 7, 4, 2], "grouped by length, longest first"
 
 
 def test_registry_finds_engines_by_job_name_and_says_what_to_install():

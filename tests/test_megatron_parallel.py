@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import mpi_findings
 
 # Checked without importing megatron-core here (10 s): only the MPI ranks need it.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -33,14 +32,7 @@ LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings)
 
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory) -> dict:
-    from hpcrl.launch.local import mpiexec_path
-
-    out = tmp_path_factory.mktemp("megatron") / "findings.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, __file__, str(out)], capture_output=True,
-                            text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    return json.loads(out.read_text())
+    return mpi_findings(__file__, 3, tmp_path_factory.mktemp("megatron") / "findings.json", timeout=300)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -151,8 +143,6 @@ def _vocab_parallel_check(tp_group) -> float:
 
 
 def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict | None:
-    import copy
-
     import torch
     import torch.distributed as dist
 
@@ -165,8 +155,13 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
         return None
     from megatron.core.parallel_state import RankGenerator
 
-    from hpcrl.engines.hf_model import build_model
+    import tempfile
+    from pathlib import Path
+
+    from conftest import random_files
+
     from hpcrl.engines.megatron.engine import MegatronTrainer
+    from hpcrl.engines.model_files import load_full
     from hpcrl.engines.megatron.offload import release, restore
     from hpcrl.engines.torch_trainer import TorchTrainer
 
@@ -180,10 +175,11 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
 
     job = _job(arch, tied)
     tokenizer = CharTokenizer()
-    hf = build_model(job.model, tokenizer, job.seed)
-    reference = TorchTrainer(copy.deepcopy(hf), job, tokenizer.pad_token_id, None)
+    files = random_files(job, tokenizer, Path(tempfile.mkdtemp(prefix=f"hpcrl-test-rank{rank}-")))
+    hf = load_full(files, job.model.dtype)
+    reference = TorchTrainer(files, job, tokenizer.pad_token_id, None)
     samples = _samples(tokenizer, reference, torch.Generator().manual_seed(7))
-    engine = MegatronTrainer(hf, job, tokenizer.pad_token_id, mine)
+    engine = MegatronTrainer(files, job, tokenizer.pad_token_id, mine)
     dp_rank = engine.pgc.dp.rank()
 
     logprobs = engine.logprobs(samples.prompt_ids, samples.response_ids)
@@ -194,9 +190,10 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
     if name == "dp2":  # each rank holds the whole model: compare raw logits too
         ids = torch.tensor([samples.prompt_ids[0].tolist() + samples.response_ids[0].tolist()])
         positions = torch.arange(ids.shape[1])[None]
+        from hpcrl.engines.megatron.cpu_shim import cuda_on_cpu
         from hpcrl.engines.megatron.packing import causal_mask
 
-        with torch.no_grad():
+        with torch.no_grad(), cuda_on_cpu():   # a direct call into megatron-core, as the engine's own
             logits = engine.model(ids, positions, causal_mask(ids.shape[1], "cpu"))
             found["logits_max_diff"] = float((logits - hf(input_ids=ids).logits).abs().max())
 

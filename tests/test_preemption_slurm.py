@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import time
 
-from conftest import REPO, hpcrl
+from conftest import hpcrl
 from slurm_cluster import slurm_cmd, slurm_env, slurm_environ, wait_job  # noqa: F401
 
 from hpcrl.metrics import read_metrics

@@ -1,7 +1,6 @@
 """Fault recovery through `hpcrl run`: signals, resume, DP-size change, corrupt checkpoints, restarts."""
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess

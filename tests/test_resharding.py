@@ -9,13 +9,12 @@ megatron-core GPTModel.)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import mpi_findings
 
 from hpcrl.engines.resharding import (
     GPTShape,
@@ -25,6 +24,7 @@ from hpcrl.engines.resharding import (
     merge_tp,
     named_buckets,
     plan_buckets,
+    read_stage_tensor,
     renumber,
     split_tp,
     stage_state,
@@ -54,6 +54,39 @@ def hf_state(shape: GPTShape, hidden: int, ffn: int, vocab: int, seed: int = 0) 
 
 def round_trip(hf: dict, shape: GPTShape) -> dict:
     return dict(pair for name, tensor in hf_to_mcore(hf, shape).items() for pair in mcore_to_hf(name, tensor, shape))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_each_rank_reads_just_its_slices_from_the_safetensors_files(tmp_path, tp, pp, tied):
+    """What a Megatron rank reads with safetensors' get_slice is what slicing the whole converted
+    model gives it, tensor for tensor; and it never reads a whole sharded tensor."""
+    from safetensors.torch import save_file
+
+    from hpcrl.engines.model_files import ModelFiles
+
+    shape = GPTShape(SHAPE.num_layers, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim, tied)
+    hf = hf_state(shape, **SIZES)
+    save_file(hf, tmp_path / "model.safetensors")
+    files = ModelFiles(tmp_path)
+    reads = []
+    original = files.read
+
+    def counted(name, dim=None, start=0, stop=None, dtype=None):
+        reads.append((name, dim))
+        return original(name, dim, start, stop, dtype)
+
+    files.read = counted
+    full = hf_to_mcore(hf, shape)
+    for tp_rank in range(tp):
+        for pp_rank in range(pp):
+            expected = stage_state(full, shape, tp, tp_rank, pp, pp_rank)
+            for name, tensor in expected.items():
+                got = read_stage_tensor(files, name, shape, SIZES, tp, tp_rank, pp, pp_rank, torch.float32)
+                assert torch.equal(got, tensor), (tp, tp_rank, pp, pp_rank, name)
+    if tp > 1:
+        whole = {name for name, dim in reads if dim is None}
+        assert all(n.endswith(("norm.weight", "layernorm.weight")) for n in whole), whole
 
 
 @pytest.mark.parametrize("arch, tied", [("qwen2", False), ("llama", True)])
@@ -128,13 +161,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # name -> (tp, pp); 
 
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory) -> dict:
-    from hpcrl.launch.local import mpiexec_path
-
-    out = tmp_path_factory.mktemp("resharding") / "gathered.json"
-    result = subprocess.run([mpiexec_path(), "-n", "4", sys.executable, __file__, str(out)], capture_output=True,
-                            text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    return json.loads(out.read_text())
+    return mpi_findings(__file__, 4, tmp_path_factory.mktemp("resharding") / "gathered.json", timeout=180)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

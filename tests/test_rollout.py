@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from statistics import fmean
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, hpcrl
+from conftest import REPO, hpcrl, random_files
 
 from hpcrl.config import load_job
 from hpcrl.data import CharTokenizer, ResumableSampler, load_prompts
@@ -175,11 +176,11 @@ def test_async_run_never_exceeds_the_staleness_bound(tmp_path, correction):
                for m in metrics)
 
 
-def reference_synchronous_run(config, steps: int) -> list[float]:
+def reference_synchronous_run(config, steps: int, directory: Path) -> list[float]:
     """The synchronous pipeline written out plainly in one process: generate, score, logprobs,
     advantages, train, copy the weights. Returns reward_mean per step and the final digest."""
-    from hpcrl.engines.hf_model import build_model
     from hpcrl.engines.lr_schedule import learning_rate
+    from hpcrl.engines.model_files import load_full
     from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
     from hpcrl.engines.torch_trainer import Samples, TorchTrainer
     from hpcrl.rewards import score_responses
@@ -189,9 +190,10 @@ def reference_synchronous_run(config, steps: int) -> list[float]:
 
     torch.set_num_threads(1)
     tok = CharTokenizer()
-    actor = TorchTrainer(build_model(config.model, tok, config.seed), config, tok.pad_token_id, None)
-    ref = TorchTrainer(build_model(config.model, tok, config.seed), config, tok.pad_token_id, None, trainable=False)
-    rollout = NativeSampler(build_model(config.model, tok, config.seed), tok.eos_token_id, tok.pad_token_id)
+    files = random_files(config, tok, directory)
+    actor = TorchTrainer(files, config, tok.pad_token_id, None)
+    ref = TorchTrainer(files, config, tok.pad_token_id, None, trainable=False)
+    rollout = NativeSampler(load_full(files, config.model.dtype), tok.eos_token_id, tok.pad_token_id)
     r = config.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     sampler = ResumableSampler(load_prompts(config), config.seed)
@@ -220,7 +222,8 @@ def test_k0_reproduces_the_synchronous_pipeline_exactly(tmp_path):
                    *[x for o in overrides for x in ("--set", o)], timeout=300)
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path / "metrics.jsonl")
-    rewards, digest = reference_synchronous_run(load_job(REPO / "jobs" / "tiny_grpo.yaml", overrides), 4)
+    rewards, digest = reference_synchronous_run(load_job(REPO / "jobs" / "tiny_grpo.yaml", overrides), 4,
+                                                tmp_path / "reference")
     assert [m["reward_mean"] for m in metrics] == rewards
     assert metrics[-1]["digest_actor_train"] == [digest]
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, random_files
 
 from hpcrl.engines.native_sampler import SamplingParams
 from hpcrl.ragged import Ragged
@@ -34,7 +35,7 @@ def test_request_seeds_are_a_function_of_the_generator_and_differ_per_prompt():
 def test_the_llm_reads_token_ids_returns_processed_logprobs_and_can_sleep():
     kwargs = llm_kwargs("/tmp/m", 2, torch.bfloat16, 3, 0.4, 128, enforce_eager=True)
     assert kwargs["dtype"] == "bfloat16" and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 128
-    assert kwargs["skip_tokenizer_init"] and kwargs["enable_sleep_mode"] and kwargs["load_format"] == "dummy"
+    assert kwargs["skip_tokenizer_init"] and kwargs["enable_sleep_mode"] and kwargs["load_format"] == "safetensors"
     assert kwargs["logprobs_mode"] == "processed_logprobs", "the trainer recomputes log softmax(logits / T)"
 
 
@@ -48,16 +49,18 @@ def test_the_sampled_tokens_logprobs_are_read_from_each_step():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install hpcrl[vllm])")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_vllm_samples_with_the_logprobs_the_native_sampler_computes():
-    from hpcrl.config.job import ModelConfig
+def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path):
+    from hpcrl.config import load_job
     from hpcrl.data import CharTokenizer
     from hpcrl.engines.batch import pack, response_logprobs
-    from hpcrl.engines.hf_model import build_model
+    from hpcrl.engines.model_files import load_full
     from hpcrl.engines.vllm_engine import VLLMEngine
 
     tokenizer = CharTokenizer()
-    model = build_model(ModelConfig(), tokenizer, seed=1)
-    engine = VLLMEngine(model, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2, enforce_eager=True)
+    files = random_files(load_job(REPO / "jobs" / "tiny_grpo.yaml"), tokenizer, tmp_path)   # vLLM loads these itself
+    model = load_full(files, torch.float32)
+    engine = VLLMEngine(files.path, torch.float32, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2,
+                        enforce_eager=True)
     prompts = Ragged.from_rows([tokenizer.encode(t) for t in ("3+4=", "12+3=", "7=")] * 4, np.int32)
     out = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0),
                           budgets=np.array([6, 2, 0] * 4))

@@ -1,7 +1,10 @@
-"""Exit codes of the ranks (and of `hpcrl run`) that are not plain failures."""
+"""Constants more than one package needs: the ranks' exit codes (and `hpcrl run`'s) that are not
+plain failures, where ranks report how they ended, and sizes the memory estimate shares with the engines."""
 EXIT_REQUEUE = 99   # a checkpoint was saved on a warning (USR2/USR1): requeue, and the run resumes from it
 EXIT_STOPPED = 98   # stopped on request (TERM/INT: scancel, `hpcrl cancel`, Ctrl-C) after saving a checkpoint
 EXIT_REFUSED = 97   # refused to start (the run directory is held, or would be overwritten): nothing to retry
 EXIT_HUNG = 96      # a rank stopped answering (hung or dead) and the world was aborted: a failure to restart
 
 RANK_EXITS_DIR = "ranks"   # RUN_DIR/ranks/rank-N.exit.json: how a rank ended, by its supervisor (runtime/supervisor.py)
+# Elements of the fp32 log-softmax computed at once (engines/batch.py; the memory estimate counts it): 64 MB.
+LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 24

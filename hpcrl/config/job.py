@@ -109,6 +109,15 @@ class TrainConfig(Schema):
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.0, description="where cosine and linear decay end")
     weight_decay: NonNegativeFloat = 0.0
     grad_clip: PositiveFloat | None = 1.0
+    micro_batch_size: PositiveInt | None = Field(
+        None, description="samples per forward/backward on a rank, gradients accumulated over the minibatch "
+                          "(unset: the whole minibatch at once); bounds activation memory")
+    max_tokens_per_micro_batch: PositiveInt | None = Field(
+        None, description="also cut a micro-batch when its padded tokens (samples x longest) would exceed this; "
+                          "samples are grouped by length so that little is padding")
+    recompute: bool = Field(False, description="activation checkpointing: recompute each layer in the backward "
+                                               "instead of keeping its activations (HF gradient checkpointing, "
+                                               "Megatron full recompute)")
 
 
 class RolloutConfig(Schema):
@@ -130,6 +139,8 @@ class RolloutConfig(Schema):
     sync_timeout_s: PositiveFloat = Field(300.0, description="timeout of one collective of the weight sync: a "
                                           "sync starts only when rollout is between rounds, so it bounds a hung "
                                           "peer, not a long round")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.5, description="vLLM: the share of each GPU its engine takes (weights + KV cache); the plan counts it")
     max_round_s: PositiveFloat | None = Field(None, description="cut a generation round after this many seconds: "
                                               "unfinished responses keep their tokens and continue in the next "
                                               "round (partial rollout), so a weight sync never waits longer for "

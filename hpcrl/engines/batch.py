@@ -11,7 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
+from hpcrl.config.constants import LOGSOFTMAX_CHUNK_ELEMENTS
 from hpcrl.ragged import Ragged
 
 
@@ -63,20 +65,42 @@ def pack(prompts: Ragged, responses: Ragged, pad_id: int) -> dict[str, torch.Ten
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature), the distribution rollout samples from."""
+    return _token_stats(logits, tokens, temperature, with_entropy=False)[0]
+
+
+def _token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked, (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
+def chunked_token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` (and entropy) of [N, R, V] logits, a chunk of positions at a time.
+
+    The fp32 log-softmax of a chunk is recomputed in the backward (checkpoint) instead of kept, so
+    besides the logits themselves (in the model's dtype) only one chunk's fp32 copy ever exists.
+    """
+    chunk = max(1, LOGSOFTMAX_CHUNK_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
+    keep = torch.is_grad_enabled() and logits.requires_grad
+    logps, entropies = [], []
+    for start in range(0, logits.shape[1], chunk):
+        args = (logits[:, start:start + chunk], tokens[:, start:start + chunk], temperature, with_entropy)
+        logp, entropy = (torch.utils.checkpoint.checkpoint(_token_stats, *args, use_reentrant=False) if keep
+                         else _token_stats(*args))
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps, dim=1), (torch.cat(entropies, dim=1) if with_entropy else None)
 
 
 def response_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probabilities [N, R] of the response tokens (and their entropy if asked)."""
+    """Per-token log-probabilities [N, R] of the response tokens (and their entropy if asked).
+
+    Only the response positions' logits are computed (`logits_to_keep`): responses are the last
+    R columns, and the logits at column t predict token t + 1."""
     response_len = batch["response_ids"].shape[1]
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], use_cache=False).logits
-    logits = logits[:, -response_len - 1:-1]
-    logp = token_logprobs(logits, batch["response_ids"], temperature)
-    entropy = None
-    if with_entropy:
-        probs = F.softmax(logits.float() / temperature, dim=-1)
-        entropy = -(probs * F.log_softmax(logits.float() / temperature, dim=-1)).sum(-1)
-    return logp, entropy
+                   position_ids=batch["position_ids"], use_cache=False, logits_to_keep=response_len + 1).logits
+    return chunked_token_stats(logits[:, :-1], batch["response_ids"], temperature, with_entropy)

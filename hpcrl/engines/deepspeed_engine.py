@@ -1,10 +1,14 @@
 """The deepspeed training engine: ZeRO stage 1, 2 or 3 over the role's data-parallel ranks.
 
-The minibatch loop and the losses are the torch engine's (this class only changes who holds the
-weights and how a step is applied), so `engine: torch` and `engine: deepspeed` train the same
-policy: ZeRO shards optimizer state (1), gradients (2) and parameters (3) over the DP ranks
-instead of replicating them. DeepSpeed runs with the role's rank group as its world
-(`deepspeed_world`); on CPU it communicates over gloo, on GPUs over NCCL.
+The minibatch loop, the micro-batches and the losses are the torch engine's (this class only
+changes who holds the weights and how a step is applied), so `engine: torch` and `engine:
+deepspeed` train the same policy: ZeRO shards optimizer state (1), gradients (2) and parameters
+(3) over the DP ranks instead of replicating them. Under ZeRO-3 the model is built inside
+`deepspeed.zero.Init` (each parameter partitioned as it is created) and filled one gathered
+parameter at a time from the files. hpcrl owns the accumulation boundary
+(`managed_gradient_accumulation: false`): one `step()` per minibatch, whatever the number of
+micro-batches. DeepSpeed runs with the role's rank group as its world (`deepspeed_world`); on
+CPU it communicates over gloo, on GPUs over NCCL.
 """
 from __future__ import annotations
 
@@ -18,17 +22,21 @@ import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.deepspeed_world import scope_deepspeed_world
+from hpcrl.engines.hf_model import DTYPES
+from hpcrl.engines.model_files import ModelFiles, load_full
 from hpcrl.engines.torch_trainer import TorchTrainer, adamw
 
 _NEVER = 2 ** 62   # DeepSpeed's steps_per_print: hpcrl prints its own metrics
 
 
 def deepspeed_config(job: JobConfig, stage: int, trainable: bool) -> dict:
-    """The DeepSpeed config for one role: one micro-batch per step (hpcrl cuts the minibatches)."""
+    """The DeepSpeed config for one role: hpcrl cuts minibatches and micro-batches and calls step()
+    at each minibatch's end (the sizes here only satisfy DeepSpeed's batch arithmetic)."""
     dtype = job.model.dtype
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
@@ -66,10 +74,10 @@ class _DataParallelOnly:
 
 
 class DeepSpeedTrainer(TorchTrainer):
-    def __init__(self, model: torch.nn.Module, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup,
-                 trainable: bool = True, zero_stage: int = 2):
+    def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup,
+                 device: str | torch.device = "cpu", trainable: bool = True, zero_stage: int = 2):
         """`dp_group` is always a group here, also of one rank: DeepSpeed's world (see deepspeed_world)."""
-        device = next(model.parameters()).device
+        device = torch.device(device)
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
         os.environ["LOCAL_RANK"] = str(device.index or 0)
         import deepspeed
@@ -80,10 +88,16 @@ class DeepSpeedTrainer(TorchTrainer):
         self.job, self.pad_id, self.dp_group = job, pad_id, dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.device = device
+        self.compute_dtype = DTYPES[job.model.dtype]
+        self._autocast = False   # DeepSpeed casts the module to the job's dtype and keeps fp32 master weights
         self.stage = zero_stage
         self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
         self.trainable = trainable
+        config = deepspeed_config(job, zero_stage, trainable)
+        model = self._build(files, config) if zero_stage == 3 else load_full(files, self.compute_dtype, device)
         if trainable:
+            if job.train.recompute:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
             optimizer = adamw(model, job)
         else:
@@ -91,8 +105,30 @@ class DeepSpeedTrainer(TorchTrainer):
             model.eval()
             optimizer = None
         self.model, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(job, zero_stage, trainable),
-            mpu=_DataParallelOnly(dp_group), dist_init_required=False)
+            model=model, optimizer=optimizer, config=config, mpu=_DataParallelOnly(dp_group), dist_init_required=False)
+
+    @torch.no_grad()
+    def _build(self, files: ModelFiles, config: dict) -> torch.nn.Module:
+        """ZeRO-3: parameters partitioned as they are created (zero.Init, with HF's own guards: no
+        random init of the empty partitions, RoPE buffers kept fp32), then each one gathered,
+        filled from the files by DP rank 0, and partitioned again: one full tensor at a time."""
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        # The parameters' dtype comes from the config's bf16/fp16 sections: an explicit `dtype` is
+        # ignored on accelerators without fp16 (the CPU), where zero.Init then picks bf16.
+        with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(
+                data_parallel_group=self.dp_group, config_dict_or_path=config, mpu=_DataParallelOnly(self.dp_group)):
+            model = AutoModelForCausalLM.from_config(files.config(), dtype=self.compute_dtype)
+        model.tie_weights()   # HF ties the head in init_weights, which no_init_weights skipped
+        first = dist.get_rank(self.dp_group) == 0
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if first:
+                    param.copy_(files.read(name, dtype=param.dtype))
+        return model
 
     @property
     def module(self) -> torch.nn.Module:
@@ -110,8 +146,13 @@ class DeepSpeedTrainer(TorchTrainer):
             with self._gathered([param]):
                 yield name, param.detach().clone()
 
-    def _update(self, loss: torch.Tensor) -> float | None:
-        self.model.backward(loss)
+    def _zero_grad(self) -> None:
+        """DeepSpeed's step() zeroes the gradients it applied."""
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.model.backward(loss, scale_wrt_gas=False)
+
+    def _step(self) -> float | None:
         self.model.step()
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None and self.job.train.grad_clip is not None else None

@@ -1,7 +1,8 @@
-"""The policy model: a Hugging Face Qwen2/LLaMA causal LM, built from sizes or loaded from a local dir.
+"""The policy model: a Hugging Face Qwen2/LLaMA causal LM with seeded random weights, from the job's sizes.
 
-Using the HF classes (not a toy model of our own) means the same code path later loads real
-checkpoints, and feeds the HF <-> Megatron conversion and vLLM.
+Using the HF classes (not a toy model of our own) means random and real checkpoints take one
+path: the random model is saved as a HF directory once (engines/model_files.py) and every engine
+loads it from there, as it would `model.path`.
 """
 from __future__ import annotations
 
@@ -31,13 +32,9 @@ def hf_config(model: ModelConfig, vocab_size: int, pad_id: int, bos_id: int | No
     )
 
 
-def build_model(model: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
-    """Every rank calls this with the same seed and gets bit-identical initial weights."""
+def random_model(model: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
+    """The whole model with weights drawn from `seed` (the same seed gives bit-identical weights)."""
     dtype = DTYPES[model.dtype]
-    if model.path:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, dtype=dtype)
     config = hf_config(model, tokenizer.vocab_size, tokenizer.pad_token_id, tokenizer.bos_token_id,
                        tokenizer.eos_token_id)
     _, model_cls = _ARCH[model.arch]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -114,15 +114,20 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], shape: GPTShape) -> dict[str, to
     return out
 
 
+def _hf_layer_prefix(name: str, error: str) -> tuple[str, str]:
+    """("model.layers.N.", the rest of the name) of a Megatron decoder-layer parameter."""
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(f"{error} {name!r}")
+    layer, rest = match.groups()
+    return f"model.layers.{layer}.", rest
+
+
 def mcore_to_hf(name: str, tensor: torch.Tensor, shape: GPTShape) -> list[Named]:
     """HF tensors of one unsharded Megatron parameter (global layer number); [] for a tied output layer."""
     if name in _MODEL_RENAMES:
         return [] if name == "output_layer.weight" and shape.tied else [(_MODEL_RENAMES[name], tensor)]
-    match = _LAYER.match(name)
-    if match is None:
-        raise KeyError(f"Megatron -> HF: unknown parameter {name!r}")
-    layer, rest = match.groups()
-    prefix = f"model.layers.{layer}."
+    prefix, rest = _hf_layer_prefix(name, "Megatron -> HF: unknown parameter")
     if rest.startswith(_QKV):
         kind = rest[len(_QKV):]
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", _split_qkv(tensor, shape))]
@@ -206,6 +211,54 @@ def stage_state(full: Mapping[str, torch.Tensor], shape: GPTShape, tp: int, tp_r
         embedding = full["embedding.word_embeddings.weight"]
         out["output_layer.weight"] = split_tp("output_layer.weight", embedding, tp)[tp_rank]
     return out
+
+
+class TensorReader(Protocol):
+    """Where HF tensors come from, a slice at a time (engines.model_files.ModelFiles)."""
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
+def _rows(reader: TensorReader, name: str, per_rank: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    return reader.read(name, 0, rank * per_rank, (rank + 1) * per_rank, dtype)
+
+
+def read_stage_tensor(reader: TensorReader, local_name: str, shape: GPTShape, sizes: Mapping[str, int], tp: int,
+                      tp_rank: int, pp: int, pp_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """One parameter of a (TP rank, PP stage) of a Megatron GPTModel, read straight from HF tensors:
+    only the rows or columns this TP rank holds (what `stage_state(hf_to_mcore(...))` gives).
+
+    `sizes`: the unsharded sizes the slices depend on ("vocab", "ffn")."""
+    name = renumber(local_name, layer_offset(shape.num_layers, pp, pp_rank))
+    if name == "embedding.word_embeddings.weight":
+        return _rows(reader, "model.embed_tokens.weight", sizes["vocab"] // tp, tp_rank, dtype)
+    if name == "output_layer.weight":   # tied: the last stage's copy of the embedding
+        source = "model.embed_tokens.weight" if shape.tied else "lm_head.weight"
+        return _rows(reader, source, sizes["vocab"] // tp, tp_rank, dtype)
+    if name == "decoder.final_layernorm.weight":
+        return reader.read("model.norm.weight", dtype=dtype)
+    prefix, rest = _hf_layer_prefix(name, "HF -> Megatron: no HF tensor for Megatron parameter")
+    if rest.startswith(_QKV):
+        kind = rest[len(_QKV):]
+        groups = shape.num_kv_heads // tp
+        q_rows = groups * (shape.num_heads // shape.num_kv_heads) * shape.head_dim
+        q = _rows(reader, f"{prefix}self_attn.q_proj.{kind}", q_rows, tp_rank, dtype)
+        k, v = (_rows(reader, f"{prefix}self_attn.{p}_proj.{kind}", groups * shape.head_dim, tp_rank, dtype)
+                for p in "kv")
+        local = GPTShape(shape.num_layers, shape.num_heads // tp, groups, shape.head_dim, shape.tied)
+        return _fuse_qkv(q, k, v, local)
+    if rest == _FC1:
+        per_rank = sizes["ffn"] // tp
+        return torch.cat([_rows(reader, f"{prefix}mlp.{p}_proj.weight", per_rank, tp_rank, dtype)
+                          for p in ("gate", "up")], dim=0)
+    hf = prefix + _LAYER_RENAMES.get(rest, "")
+    if rest not in _LAYER_RENAMES:
+        raise KeyError(f"HF -> Megatron: no HF tensor for Megatron parameter {name!r}")
+    if tp_dim(rest) == 1:   # row parallel: o_proj's input is the heads, down_proj's the MLP width
+        per_rank = (shape.num_heads * shape.head_dim if rest.startswith("self_attention") else sizes["ffn"]) // tp
+        return reader.read(hf, 1, tp_rank * per_rank, (tp_rank + 1) * per_rank, dtype)
+    return reader.read(hf, dtype=dtype)
 
 
 # ---- bucketing and the collective gather --------------------------------------------------------------------------

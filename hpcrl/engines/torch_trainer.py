@@ -1,24 +1,34 @@
-"""The torch training engine: DDP over the role's data-parallel group, AdamW, PPO-style updates.
+"""The torch training engine: DDP or FSDP2 over the role's data-parallel group, AdamW, PPO-style updates.
 
-It is the default on CPU (gloo) and runs unchanged on GPUs (NCCL). The loss is a plain function
-from hpcrl.algos; this class only owns the model, the optimizer and the minibatch loop.
+It is the default on CPU (gloo) and runs unchanged on GPUs (NCCL). The loss is
+hpcrl.engines.objective's (every engine's); this class owns the model, the optimizer and the
+minibatch loop: each minibatch is one optimizer step, accumulated over micro-batches
+(`train.micro_batch_size`, `train.max_tokens_per_micro_batch`). With bf16/fp16 the trainable
+weights and Adam's state stay fp32 (master weights) and only the compute runs in the job's dtype:
+FSDP2 casts per layer, DDP and one rank under autocast.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
-from hpcrl.algos import aggregate_loss, gspo_loss, kl_penalty, ppo_clip_loss
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import pack, response_logprobs, right_pad, unpad
+from hpcrl.engines.fsdp import load_sharded
+from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
+from hpcrl.engines.micro_batches import MicroBatching, micro_batching
+from hpcrl.engines.model_files import ModelFiles, load_full
+from hpcrl.engines.objective import combine_micro_metrics, policy_objective
 from hpcrl.ragged import Ragged
 
 
@@ -31,61 +41,90 @@ class Samples:
     columns: dict[str, Ragged]  # per response token: old_logprobs, ref_logprobs, advantages, ...
 
 
-def _fully_shard(model: torch.nn.Module, dp_group: dist.ProcessGroup, device: torch.device) -> None:
-    """FSDP2 in place: every decoder layer, then the rest (embeddings, norm, head) as the root unit."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = DeviceMesh.from_group(dp_group, device.type)
-    for layer in getattr(getattr(model, "model", None), "layers", []):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
     """The optimizer of every torch-based engine (torch, deepspeed) from the job's train settings."""
     return torch.optim.AdamW(model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / max(1, len(values))
+def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, group: dist.ProcessGroup | None
+                  ) -> list[np.ndarray]:
+    """This rank's micro-batches, as many as the DP rank that needs most: sharded engines
+    (FSDP2, ZeRO-3) gather parameters in every forward, so all DP ranks run the same number."""
+    groups = cut.split(prompts.lengths, responses.lengths)
+    if group is not None and dist.get_world_size(group) > 1:
+        count = torch.tensor([len(groups)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        groups = _split_further(cut, prompts.lengths, responses.lengths, groups, int(count))
+    return groups
+
+
+def _split_further(cut: MicroBatching, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+                   groups: list[np.ndarray], count: int) -> list[np.ndarray]:
+    """Halve the largest splittable micro-batch until there are `count` (a part of a micro-batch
+    within the bounds is within them too)."""
+    groups = list(groups)
+    while len(groups) < count:
+        sizes = [len(g) * cut.width(prompt_lengths[g], response_lengths[g]) if len(g) > 1 else -1 for g in groups]
+        largest = int(np.argmax(sizes))
+        if sizes[largest] < 0:
+            raise ValueError(f"cannot cut {sum(map(len, groups))} samples into {count} micro-batches")
+        g = groups.pop(largest)
+        groups[largest:largest] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return groups
 
 
 class TorchTrainer:
-    """Holds one model replica per DP rank; gradients are averaged by DDP over `dp_group`."""
+    """One model replica (DDP) or shard (FSDP2) per DP rank, built from `files`."""
 
-    def __init__(self, model: torch.nn.Module, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
-                 trainable: bool = True, fsdp: bool = False):
+    def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
+                 device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False):
         """fsdp: shard with FSDP2 over `dp_group` (each decoder layer a unit) instead of DDP replicas."""
-        self.model = model
         self.job = job
         self.pad_id = pad_id
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.device = next(model.parameters()).device
-        self.optimizer = None
+        self.device = torch.device(device)
+        self.compute_dtype = DTYPES[job.model.dtype]
+        self.trainable = trainable
+        master = self._master_dtype()
         # FSDP2 gathers each parameter over the DP ranks: every rank takes part in named_weights
         self.gathers_over_dp = fsdp and self.dp_size > 1
         if self.gathers_over_dp:
-            _fully_shard(model, dp_group, self.device)
+            model = load_sharded(files, dp_group, self.device, master,
+                                 self.compute_dtype if master != self.compute_dtype else None)
+        else:
+            model = load_full(files, master, self.device)
+        self._autocast = not self.gathers_over_dp and master != self.compute_dtype
+        self.model = model
+        self.optimizer = None
         if trainable:
+            if job.train.recompute:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
-            if self.dp_size > 1 and not fsdp:
-                self.model = DistributedDataParallel(model, process_group=dp_group)
-            self.optimizer = adamw(model, job)
+            self._wrap(model)
         else:
             model.requires_grad_(False)
             model.eval()
+
+    def _master_dtype(self) -> torch.dtype:
+        """fp32 weights for a trainable role (the optimizer updates them), the job's dtype otherwise."""
+        return torch.float32 if self.trainable else self.compute_dtype
+
+    def _wrap(self, model: torch.nn.Module) -> None:
+        if self.dp_size > 1 and not self.gathers_over_dp:
+            self.model = DistributedDataParallel(model, process_group=self.dp_group)
+        self.optimizer = adamw(model, self.job)
 
     @property
     def module(self) -> torch.nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters under their HF names; FSDP2 shards are gathered one parameter at a time
-        (collective over the DP group: every DP rank iterates)."""
+        """Parameters under their HF names in the job's dtype (what rollout holds); FSDP2 shards are
+        gathered one parameter at a time (collective over the DP group: every DP rank iterates)."""
         for name, p in self.module.named_parameters():
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, full.detach().to(self.compute_dtype)
 
     def offload(self) -> None:
         """Nothing to do on CPU; on GPUs the weights and Adam state move to pinned host memory."""
@@ -102,75 +141,100 @@ class TorchTrainer:
                     if isinstance(value, torch.Tensor) and key != "step":
                         state[key] = value.to(device)
 
+    # ---- forward -------------------------------------------------------------------------------------------------
+
+    def _micro_batch(self, samples: Samples, rows: np.ndarray) -> tuple[dict, dict]:
+        """The padded tensors of `rows`, and their per-token columns."""
+        batch = pack(samples.prompt_ids.take(rows), samples.response_ids.take(rows), self.pad_id)
+        width = batch["response_ids"].shape[1]
+        columns = {k: right_pad(v.take(rows), 0.0, torch.float32, width) for k, v in samples.columns.items()}
+        return self._to_device(batch), self._to_device(columns)
+
+    def _forward(self, batch: dict[str, torch.Tensor], with_entropy: bool):
+        autocast = torch.autocast(self.device.type, dtype=self.compute_dtype) if self._autocast else nullcontext()
+        with autocast:
+            return response_logprobs(self.model, batch, self.job.rollout.temperature, with_entropy)
+
     @torch.no_grad()
     def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
-        """Per-token log-probabilities of the responses under the current weights."""
-        batch = self._to_device(pack(prompt_ids, response_ids, self.pad_id))
-        logp, _ = response_logprobs(self.module, batch, self.job.rollout.temperature)
-        return unpad(logp, response_ids.lengths)
+        """Per-token log-probabilities of the responses under the current weights, micro-batch by micro-batch."""
+        samples = Samples(prompt_ids, response_ids, {})
+        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group)
+        parts = []
+        for rows in groups:
+            batch, _ = self._micro_batch(samples, rows)
+            logp, _ = self._forward(batch, with_entropy=False)
+            parts.append(unpad(logp, response_ids.lengths[rows]))
+        return Ragged.concat(parts).take(np.argsort(np.concatenate(groups), kind="stable"))
 
     def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in tensors.items()}
 
-    def _global_tokens(self, mask: torch.Tensor) -> float:
-        """Valid tokens of this minibatch over all DP ranks: the denominator of the token mean."""
-        count = mask.sum().reshape(1)
+    def _dp_sum(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64)
         if self.dp_size > 1:
-            dist.all_reduce(count, group=self.dp_group)
-        return float(count.item())
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total.item())
+
+    # ---- training ------------------------------------------------------------------------------------------------
 
     def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
         """`ppo_epochs` passes over the shard, each in `minibatches` optimizer steps at rate `lr`."""
         algo, train = self.job.algorithm, self.job.train
         set_learning_rate(self.optimizer, lr)
-        batch = self._to_device(pack(samples.prompt_ids, samples.response_ids, self.pad_id))
-        width = batch["response_ids"].shape[1]
-        token = self._to_device({k: right_pad(v, 0.0, torch.float32, width) for k, v in samples.columns.items()})
         n = len(samples.prompt_ids)
         if n % train.minibatches:
             raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
+        cut = micro_batching(train)
         history: dict[str, list[float]] = {}
         for _ in range(train.ppo_epochs):
-            for index in torch.arange(n).chunk(train.minibatches):
-                mb = {k: v[index] for k, v in batch.items()}
-                mt = {k: v[index] for k, v in token.items()}
-                mask = mb["response_mask"]
-                # token-mean over the whole minibatch: every rank divides by the global token count and
-                # DDP's average is undone by `scale`; the seq-mean modes are means of per-rank means.
-                token_mean = algo.loss_agg == "token-mean"
-                global_tokens = self._global_tokens(mask) if token_mean else None
-                scale = self.dp_size if token_mean else 1
-                logp, entropy = response_logprobs(self.model, mb, self.job.rollout.temperature, with_entropy=True)
-                loss_fn = gspo_loss if algo.policy_loss == "gspo" else ppo_clip_loss
-                extra = {"dual_clip_c": algo.dual_clip_c} if algo.policy_loss == "ppo_clip" else {}
-                policy, metrics = loss_fn(logp, mt["old_logprobs"], mt["advantages"], mask,
-                                          clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.loss_agg,
-                                          global_token_count=global_tokens,
-                                          importance_weights=mt.get("importance_weights"), **extra)
-                loss = policy
-                if algo.kl_coef > 0 and "ref_logprobs" in mt:
-                    kl = aggregate_loss(kl_penalty(logp, mt["ref_logprobs"], algo.kl_estimator), mask,
-                                        algo.loss_agg, global_tokens)
-                    loss = loss + algo.kl_coef * kl
-                    metrics["kl_loss"] = float(kl.detach()) * scale
-                if algo.entropy_coef > 0:
-                    loss = loss - algo.entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, global_tokens)
-                grad_norm = self._update(loss * scale)
+            for index in np.array_split(np.arange(n), train.minibatches):
+                prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
+                minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()})
+                groups = split_for_all(cut, prompts, responses, self.dp_group)
+                tokens = self._dp_sum(float(responses.lengths.sum()))
+                sequences = int(self._dp_sum(float(len(index))))
+                outputs = []
+                self._zero_grad()
+                for i, rows in enumerate(groups):
+                    batch, columns = self._micro_batch(minibatch, rows)
+                    logp, entropy = self._forward(batch, with_entropy=True)
+                    if algo.entropy_coef == 0:
+                        entropy = entropy.detach()   # logged only: no graph through the softmax
+                    loss, metrics = policy_objective(logp, entropy, columns, batch["response_mask"], algo,
+                                                     tokens, sequences)
+                    # DP averages gradients; the shares are already normalised by the global totals
+                    self._backward(loss * self.dp_size, last=i == len(groups) - 1)
+                    outputs.append(metrics)
+                grad_norm = self._step()
+                metrics = combine_micro_metrics(outputs, self.dp_size)
+                metrics["padding_fraction"] = cut.padding_fraction(prompts.lengths, responses.lengths, groups)
+                metrics["micro_batches"] = float(len(groups))
                 if grad_norm is not None:
                     metrics["grad_norm"] = grad_norm
-                metrics["loss"] = float(loss.detach()) * scale
-                metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))
-        return {key: _mean(values) for key, values in history.items()}
+        return {key: sum(values) / len(values) for key, values in history.items()}
 
-    def _update(self, loss: torch.Tensor) -> float | None:
-        """One optimizer step on `loss`; returns the gradient norm when it is clipped."""
+    def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate one micro-batch's gradient; DP reduces them with the last one."""
+        if isinstance(self.model, DistributedDataParallel) and not last:
+            with self.model.no_sync():
+                loss.backward()
+            return
+        if self.gathers_over_dp:
+            self.model.set_requires_gradient_sync(last)
         loss.backward()
+
+    def _step(self) -> float | None:
+        """The optimizer step on the accumulated gradient; returns the gradient norm when it is clipped."""
         grad_norm = None
         if self.job.train.grad_clip is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip)
+            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.optimizer.step()
         return grad_norm
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -66,8 +65,8 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tok
 
 def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, seed: int,
                gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool) -> dict[str, Any]:
-    """vllm.LLM(**these): token ids in and out (no tokenizer), random weights replaced by
-    `load_weights` before the first generate, sleep mode on for colocated roles."""
+    """vllm.LLM(**these): the weights loaded by vLLM itself from the HF directory (each TP worker
+    reads its own shard), token ids in and out (no tokenizer), sleep mode on for colocated roles."""
     return dict(
         model=model_dir,
         tensor_parallel_size=tensor_parallel_size,
@@ -77,7 +76,7 @@ def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, se
         max_model_len=max_model_len,
         enforce_eager=enforce_eager,
         skip_tokenizer_init=True,
-        load_format="dummy",
+        load_format="safetensors",
         enable_sleep_mode=True,
         logprobs_mode="processed_logprobs",
     )
@@ -135,13 +134,13 @@ def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool) -> list[
 class VLLMEngine:
     _request_ids = itertools.count()
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, seed: int, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = False, sleep_level: int = 1,
-                 devices: Sequence[int] = ()):
-        """Serve `model` (the HF model every rank builds): its config is written for vLLM, its
-        weights copied in with `load_weights`. Alone in a one-rank world with TP = 1, vLLM runs
-        in this process; otherwise its engine runs in child processes (their own torch.distributed
-        world, TP workers on `devices`, the local GPU indices of this replica's ranks)."""
+    def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, eos_id: int, seed: int,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
+                 sleep_level: int = 1, devices: Sequence[int] = ()):
+        """Serve the HF model in `model_dir` (`model.path` or the run's random init), which vLLM
+        loads itself. Alone in a one-rank world with TP = 1, vLLM runs in this process; otherwise
+        its engine runs in child processes (their own torch.distributed world, TP workers on
+        `devices`, the local GPU indices of this replica's ranks)."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -154,14 +153,11 @@ class VLLMEngine:
         self._vllm = vllm
         self.eos_id = eos_id
         self.sleep_level = sleep_level
-        self._config_dir = tempfile.TemporaryDirectory(prefix="hpcrl-vllm-")
-        model.config.save_pretrained(self._config_dir.name)
-        dtype = next(model.parameters()).dtype
-        self.llm = vllm.LLM(**llm_kwargs(self._config_dir.name, tensor_parallel_size, dtype, seed,
-                                         gpu_memory_utilization, model.config.max_position_embeddings,
-                                         enforce_eager))
-        self.load_weights([(name, p.detach()) for name, p in model.named_parameters()])
-        self.weights_loaded()
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.llm = vllm.LLM(**llm_kwargs(str(model_dir), tensor_parallel_size, dtype, seed, gpu_memory_utilization,
+                                         config.max_position_embeddings, enforce_eager))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
                  budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:
@@ -200,8 +196,8 @@ class VLLMEngine:
         return [latest.get(r) for r in ids]
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Hand host tensors to every worker (pickled through collective_rpc): the initial weights,
-        and the sync's buckets when rollout shares its GPUs with the trainer. Each is cloned: a view
+        """Hand host tensors to every worker (pickled through collective_rpc): the sync's buckets
+        when rollout shares its GPUs with the trainer. Each is cloned: a view
         would pickle the whole receive buffer it lies in."""
         self.llm.collective_rpc(_load_into_worker, args=([(name, t.clone()) for name, t in weights],))
 

@@ -103,6 +103,17 @@ def _watch(job, layout, run_dir: Path):
     return watchdog
 
 
+def _initial_weights(job, tokenizer, run_dir: Path, rank: int):
+    """The files every engine loads: `model.path`, or the job's random model, written once by the
+    controller while the workers wait (no rank builds the full model for itself)."""
+    from hpcrl.engines.model_files import ModelFiles, model_dir, write_random_init
+
+    if job.model.path is None and rank == CONTROLLER:
+        write_random_init(job, tokenizer, run_dir)
+    COMM.Barrier()
+    return None if rank == CONTROLLER else ModelFiles(model_dir(job, run_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     job, profile, layout = _load_on_controller(args)
@@ -126,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         init_torch_distributed("nccl" if profile.device == "cuda" else "gloo")
         groups = build_process_groups(layout, rank, job.rollout.sync_timeout_s)
         tokenizer = load_tokenizer(job.model.path)
+        weights = _initial_weights(job, tokenizer, Path(args.run_dir), rank)
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller
 
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                        ] if rank in sync.loaders else []
             for name in layout.roles_on(rank):
                 replica = layout.roles[name].replica_of(rank)
-                ctx = RoleContext(job, tokenizer, groups.dp.get(name), groups.dp_index[name], peers, device,
+                ctx = RoleContext(job, tokenizer, weights, groups.dp.get(name), groups.dp_index[name], peers, device,
                                   groups.megatron.get(name), replica[0] == rank,
                                   tuple(layout.local_device[r] for r in replica),
                                   sync_stage=stage if name == "actor_train" else None,

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
-from hpcrl.engines.hf_model import build_model
+from hpcrl.engines.hf_model import DTYPES
+from hpcrl.engines.model_files import ModelFiles, load_full
 from hpcrl.engines.native_sampler import Generation, NativeSampler, SamplingParams
 from hpcrl.engines.base import TrainingEngine
 from hpcrl.engines.digests import combine_digests, tensor_digests, weights_digest
@@ -31,6 +32,7 @@ class RoleContext:
 
     job: JobConfig
     tokenizer: object
+    model_files: ModelFiles   # the initial weights every engine loads (model.path or the run's random init)
     dp_group: dist.ProcessGroup | None
     dp_index: int
     peers: dict[str, object]  # the roles hosted on the same rank (filled in as they are built)
@@ -48,14 +50,15 @@ class RoleContext:
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
-    """The job's engine for a training role, built on this rank from the seeded HF model."""
+    """The job's engine for a training role, built on this rank from the model files (each engine
+    reads only the part it keeps)."""
     job = ctx.job
     name = job.engine(role)
-    model = build_model(job.model, ctx.tokenizer, job.seed).to(ctx.device)
     groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
     options = {"torch": {"fsdp": getattr(job.roles, role).fsdp},
                "deepspeed": {"zero_stage": job.zero_stage(role)}}.get(name, {})
-    return training_engine(name)(model, job, ctx.tokenizer.pad_token_id, groups, trainable=trainable, **options)
+    return training_engine(name)(ctx.model_files, job, ctx.tokenizer.pad_token_id, groups, ctx.device,
+                                 trainable=trainable, **options)
 
 
 def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> torch.Generator:
@@ -144,23 +147,24 @@ class Reference:
 class ActorInfer:
     """Rollout with the job's generation engine. `native` runs on every rank of the role. `vllm` runs
     one offline engine per rollout replica, on the replica's first rank, with tensor parallelism
-    inside vLLM over the replica's devices; the replica's other ranks give their GPUs to vLLM's
-    TP workers and have nothing to do."""
+    inside vLLM over the replica's devices, and loads the weights itself; the replica's other
+    ranks give their GPUs to vLLM's TP workers and build nothing."""
 
     def __init__(self, ctx: RoleContext):
         job = self.job = ctx.job
         self.ctx = ctx
         name = job.engine("actor_infer")
         tokenizer = ctx.tokenizer
-        # vLLM holds the weights itself: the HF model only hands it the config and the first weights.
-        self.model = build_model(job.model, tokenizer, job.seed).to(ctx.device if name == "native" else "cpu")
-        self.model.requires_grad_(False)
+        self.model = None
         self.engine = None
         if name == "native":
+            self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
             self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s())
         elif ctx.replica_leader:
-            self.engine = generation_engine(name)(self.model, tokenizer.eos_token_id, job.seed,
+            self.engine = generation_engine(name)(ctx.model_files.path, DTYPES[job.model.dtype],
+                                                  tokenizer.eos_token_id, job.seed,
                                                   tensor_parallel_size=len(ctx.replica_devices),
+                                                  gpu_memory_utilization=job.rollout.gpu_memory_utilization,
                                                   devices=ctx.replica_devices)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)

@@ -36,12 +36,15 @@ def rope_theta(hf_config) -> float:
     return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: torch.dtype) -> dict[str, Any]:
+def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: torch.dtype,
+                              recompute: bool = False) -> dict[str, Any]:
     """TransformerConfig(**these): the architecture, the parallel sizes, and CPU/GPU-neutral kernels.
 
     Fusions that need Apex or Transformer Engine are off (the local layer spec runs everywhere);
     `calculate_per_token_loss` because hpcrl's losses are already normalised by the global token
     count, so Megatron must sum gradients over micro-batches and DP ranks, never average them.
+    No initialisation: the weights come from the HF files. `recompute`: full activation
+    recomputation, one layer at a time (train.recompute).
     """
     _check_supported(hf_config)
     shape = GPTShape.from_hf(hf_config)
@@ -87,6 +90,9 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,
+        perform_initialization=False,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if recompute else {}),
         calculate_per_token_loss=True,
     )
 

@@ -1,10 +1,12 @@
 """The megatron training engine: megatron-core GPTModel with TP/PP/DP and the distributed optimizer.
 
-It implements hpcrl.engines.base.TrainingEngine like the torch engine, from the same HF model
-(so both start from the same weights), with the same losses (hpcrl.algos via `objective`). One
+It implements hpcrl.engines.base.TrainingEngine like the torch engine, from the same HF files
+(so both start from the same weights), with the same losses (hpcrl.engines.objective). One
 instance lives on every rank of the role; `groups` are this rank's process groups of the role
 (see `groups.py`: every world rank creates them, collectively, before any engine is built).
-Forward and backward run through megatron-core's pipeline schedules, also when pp = 1.
+Forward and backward run through megatron-core's pipeline schedules, also when pp = 1, over
+micro-batches cut by `train.micro_batch_size` / `train.max_tokens_per_micro_batch`. Every public
+method runs inside the CPU shim's scope (a no-op with a GPU).
 """
 from __future__ import annotations
 
@@ -12,17 +14,22 @@ from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import unpad
+from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
+from hpcrl.engines.megatron.cpu_shim import on_cpu_shim
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
 from hpcrl.engines.megatron.model import build_gpt_model
-from hpcrl.engines.megatron.objective import policy_objective
 from hpcrl.engines.megatron.offload import release, restore
-from hpcrl.engines.megatron.packing import causal_mask, micro_batch_count, micro_batches, pack
+from hpcrl.engines.megatron.packing import causal_mask, equal_micro_batches, pack
+from hpcrl.engines.micro_batches import micro_batching
+from hpcrl.engines.model_files import ModelFiles
+from hpcrl.engines.objective import combine_micro_metrics, policy_objective
 from hpcrl.engines.megatron.vocab_parallel import vocab_parallel_logprobs
 from hpcrl.engines.resharding import GPTShape, gather_hf
 from hpcrl.engines.torch_trainer import Samples
@@ -30,10 +37,12 @@ from hpcrl.ragged import Ragged
 
 
 class MegatronTrainer:
-    def __init__(self, model: torch.nn.Module, job: JobConfig, pad_id: int,
-                 groups: Mapping[str, dist.ProcessGroup | None], trainable: bool = True):
-        """`model` is the HF model every rank builds (hf_model.build_model); its weights are copied
-        into this rank's Megatron shard and it can be dropped afterwards."""
+    @on_cpu_shim
+    def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int,
+                 groups: Mapping[str, dist.ProcessGroup | None], device: str | torch.device = "cpu",
+                 trainable: bool = True):
+        """Each rank reads its own slices of `files` (model.build_gpt_model); `device` is the
+        current CUDA device's (Megatron allocates on it)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -45,8 +54,9 @@ class MegatronTrainer:
         self.groups = groups
         self.gathers_over_dp = False   # each replica gathers its TP shards among its own ranks
         self.pgc = pg_collection(groups)
-        self.shape = GPTShape.from_hf(model.config)
-        self.model = build_gpt_model(model, self.pgc, job.seed)
+        self.shape = GPTShape.from_hf(files.config())
+        self.model = build_gpt_model(files, self.pgc, job.seed, DTYPES[job.model.dtype],
+                                     recompute=trainable and job.train.recompute)
         self.gpt = getattr(self.model, "module", self.model)  # the GPTModel inside Float16Module
         self.config = self.gpt.config
         self.device = next(self.gpt.parameters()).device
@@ -78,22 +88,37 @@ class MegatronTrainer:
 
     # ---- forward ---------------------------------------------------------------------------------------------------
 
-    def _run(self, batch: dict[str, torch.Tensor], loss_func, forward_only: bool) -> list[dict]:
-        """Forward (and backward) over `batch` in micro-batches; the loss outputs of the last stage."""
-        count = micro_batch_count(batch["tokens"].shape[0], self.pgc.pp.size())
-        length = batch["tokens"].shape[1]
-        mask = causal_mask(length, self.device)
-        positions = torch.arange(length, device=self.device)
-        micro = [{k: v.to(self.device) for k, v in mb.items()} for mb in micro_batches(batch, count)]
+    def _micro_batches(self, samples: Samples) -> list[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+        """(rows, packed tensors) of each micro-batch: each at its own width when pp = 1, at the
+        step's common width (equal sizes) when stages exchange activations."""
+        prompts, responses = samples.prompt_ids, samples.response_ids
+        cut = micro_batching(self.job.train, joined=True)
+        pp = self.pgc.pp.size()
+        if pp == 1:
+            groups = cut.split(prompts.lengths, responses.lengths)
+            shape = {}
+        else:
+            groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp)
+            shape = {"width": max(1, cut.width(prompts.lengths, responses.lengths)),
+                     "resp_width": max(1, responses.max_length())}
+        return [(rows, pack(prompts.take(rows), responses.take(rows), self.pad_id,
+                            {k: v.take(rows) for k, v in samples.columns.items()}, **shape)) for rows in groups]
+
+    def _run(self, micro: list[tuple[np.ndarray, dict[str, torch.Tensor]]], loss_func, forward_only: bool
+             ) -> list[dict]:
+        """Forward (and backward) over the micro-batches; the loss outputs of the last stage."""
+        batches = [{k: v.to(self.device) for k, v in mb.items()} for _, mb in micro]
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["tokens"], positions.expand_as(mb["tokens"]), mask)
+            length = mb["tokens"].shape[1]
+            positions = torch.arange(length, device=self.device).expand_as(mb["tokens"])
+            output = model(mb["tokens"], positions, causal_mask(length, self.device))
             return output, partial(loss_func, mb)
 
-        return self.forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-                                     num_microbatches=count, seq_length=length,
-                                     micro_batch_size=micro[0]["tokens"].shape[0], forward_only=forward_only)
+        return self.forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+                                     num_microbatches=len(batches), seq_length=batches[0]["tokens"].shape[1],
+                                     micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
 
     def _response_logprobs(self, mb: dict[str, torch.Tensor], logits: torch.Tensor,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,6 +132,7 @@ class MegatronTrainer:
     def _last_stage(self) -> bool:
         return self.pgc.pp.rank() == self.pgc.pp.size() - 1
 
+    @on_cpu_shim
     @torch.no_grad()
     def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged | None:
         """Per-token log-probabilities of the responses, on the last pipeline stage (where the
@@ -117,10 +143,13 @@ class MegatronTrainer:
             logp, _ = self._response_logprobs(mb, logits, with_entropy=False)
             return logp.sum() * 0, mb["response_mask"].sum().int(), {"logprobs": logp.cpu()}
 
-        outputs = self._run(pack(prompt_ids, response_ids, self.pad_id), loss_func, forward_only=True)
+        micro = self._micro_batches(Samples(prompt_ids, response_ids, {}))
+        outputs = self._run(micro, loss_func, forward_only=True)
         if not self._last_stage:
             return None
-        return unpad(torch.cat([o["logprobs"] for o in outputs]), response_ids.lengths)
+        parts = [unpad(o["logprobs"], response_ids.lengths[rows]) for o, (rows, _) in zip(outputs, micro)]
+        order = np.concatenate([rows for rows, _ in micro])
+        return Ragged.concat(parts).take(np.argsort(order, kind="stable"))
 
     # ---- training --------------------------------------------------------------------------------------------------
 
@@ -133,34 +162,42 @@ class MegatronTrainer:
                      sequences: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Megatron's loss_func on the last stage: (loss share, token count, metrics)."""
         logp, entropy = self._response_logprobs(mb, logits, with_entropy=True)
+        if self.job.algorithm.entropy_coef == 0:
+            entropy = entropy.detach()   # logged only: no graph through it
         mask = mb["response_mask"]
         loss, metrics = policy_objective(logp, entropy, mb, mask, self.job.algorithm, tokens, sequences)
-        metrics.update(loss=float(loss.detach()), entropy_sum=float((entropy.detach() * mask).sum()),
-                       tokens=float(mask.sum()))
         return loss, mask.sum().int(), metrics
 
+    @on_cpu_shim
     def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
         """`ppo_epochs` passes over this DP shard, each in `minibatches` optimizer steps at rate `lr`;
         the metrics on the last pipeline stage ({} on the others)."""
         train = self.job.train
         set_learning_rate(self.optimizer, lr)
-        batch = pack(samples.prompt_ids, samples.response_ids, self.pad_id, samples.columns)
-        n = batch["tokens"].shape[0]
+        n = len(samples.prompt_ids)
         if n % train.minibatches:
             raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
         self.model.train()
         history: dict[str, list[float]] = {}
         for _ in range(train.ppo_epochs):
-            for minibatch in micro_batches(batch, train.minibatches):
-                loss_func = partial(self._policy_loss, tokens=self._dp_sum(float(minibatch["response_mask"].sum())),
-                                    sequences=int(self._dp_sum(float(minibatch["tokens"].shape[0]))))
+            for index in np.array_split(np.arange(n), train.minibatches):
+                minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
+                                    {k: v.take(index) for k, v in samples.columns.items()})
+                loss_func = partial(self._policy_loss,
+                                    tokens=self._dp_sum(float(minibatch.response_ids.lengths.sum())),
+                                    sequences=int(self._dp_sum(float(len(index)))))
+                micro = self._micro_batches(minibatch)
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                outputs = self._run(minibatch, loss_func, forward_only=False)
+                outputs = self._run(micro, loss_func, forward_only=False)
                 _, grad_norm, _ = self.optimizer.step()
                 if not self._last_stage:  # the loss and its metrics live on the last stage
                     continue
-                metrics = _minibatch_metrics(outputs, self.pgc.dp.size())
+                metrics = combine_micro_metrics(outputs, self.pgc.dp.size())
+                widths = [mb["tokens"].shape for _, mb in micro]
+                real = minibatch.prompt_ids.lengths.sum() + minibatch.response_ids.lengths.sum()
+                metrics["padding_fraction"] = 1.0 - float(real) / max(1, sum(r * w for r, w in widths))
+                metrics["micro_batches"] = float(len(micro))
                 if train.grad_clip is not None and grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 for key, value in metrics.items():
@@ -183,6 +220,7 @@ class MegatronTrainer:
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) if self.optimizer else []
 
+    @on_cpu_shim
     def save_state(self, path: Path) -> None:
         """One file per (TP, PP) coordinate, written by its DP rank 0 (Megatron's own layout of a
         torch checkpoint): the model shard, the optimizer's common state, and the distributed
@@ -197,6 +235,7 @@ class MegatronTrainer:
         torch.save({"model": model, "optimizer": common, "param_states": param_states}, self._state_file(path))
 
     @torch.no_grad()
+    @on_cpu_shim
     def load_state(self, path: Path) -> None:
         file = self._state_file(path)
         if not file.exists():
@@ -223,11 +262,13 @@ class MegatronTrainer:
                 for p, step in steps.items():
                     opt.optimizer.state[p]["step"] = step.clone()
 
+    @on_cpu_shim
     def offload(self) -> None:
         """Free device memory: weights, gradient buffers, optimizer state (no-op on a CPU engine)."""
         if self.device.type != "cpu" and not self._offloaded:
             self._offloaded = release(self._device_tensors())
 
+    @on_cpu_shim
     def reload(self) -> None:
         restore(self._offloaded)
         self._offloaded = []
@@ -243,18 +284,3 @@ class MegatronTrainer:
                             if isinstance(v, torch.Tensor)]
         return tensors
 
-
-def _minibatch_metrics(outputs: list[dict], dp: int) -> dict[str, float]:
-    """One minibatch's metrics from its micro-batches (the loss outputs of the last stage).
-
-    `loss` and `kl_loss` are shares of the global loss: summed, and scaled by the DP size to
-    estimate the global value from this replica (as the torch engine reports it). The others are
-    token-weighted means over this replica's micro-batches.
-    """
-    tokens = sum(o["tokens"] for o in outputs)
-    summed = {"loss", "kl_loss"}
-    metrics = {k: sum(o[k] for o in outputs) * dp for k in summed if k in outputs[0]}
-    for key in outputs[0].keys() - summed - {"tokens", "entropy_sum"}:
-        metrics[key] = sum(o[key] * o["tokens"] for o in outputs) / max(tokens, 1.0)
-    metrics["entropy"] = sum(o["entropy_sum"] for o in outputs) / max(tokens, 1.0)
-    return metrics

@@ -12,17 +12,20 @@ import numpy as np
 import torch
 
 from hpcrl.engines.batch import length_mask, right_pad
+from hpcrl.engines.micro_batches import MicroBatching
 from hpcrl.ragged import Ragged
 
 
-def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Ragged] | None = None
-         ) -> dict[str, torch.Tensor]:
+def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Ragged] | None = None,
+         width: int | None = None, resp_width: int | None = None) -> dict[str, torch.Tensor]:
     """tokens/targets [N, L], the positions predicting each response token `index` [N, R], the
-    response mask [N, R], and the per-token `columns` right-padded to [N, R] (0 on padding)."""
+    response mask [N, R], and the per-token `columns` right-padded to [N, R] (0 on padding).
+    L and R default to the longest row's; pipeline stages exchange fixed shapes, so with pp > 1
+    every micro-batch of a step is packed to the same `width` and `resp_width`."""
     prompt_lengths = prompts.lengths
     rows = Ragged.concat_rows(prompts, responses)
-    width = max(1, rows.max_length())
-    resp_width = max(1, responses.max_length())
+    width = width or max(1, rows.max_length())
+    resp_width = resp_width or max(1, responses.max_length())
     tokens = torch.from_numpy(rows.padded(width + 1, pad_id).astype(np.int64))
     # logits at position t predict token t + 1: response token j is predicted at len(prompt) - 1 + j
     index = torch.from_numpy(np.minimum(prompt_lengths[:, None] - 1 + np.arange(resp_width)[None], width - 1))
@@ -38,15 +41,18 @@ def causal_mask(length: int, device: torch.device | str) -> torch.Tensor:
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def micro_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
-    """`count` equal slices of every tensor along the sample dimension (shapes must match for PP)."""
-    size = next(iter(batch.values())).shape[0]
-    if size % count:
-        raise ValueError(f"{size} samples do not split into {count} equal micro-batches")
-    return [{k: v[i * size // count:(i + 1) * size // count] for k, v in batch.items()} for i in range(count)]
+def equal_micro_batches(cut: MicroBatching, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
+                        pp: int) -> list[np.ndarray]:
+    """Micro-batches of one size for a pipeline (pp > 1): the fewest, at least `pp` to fill it (or
+    one per sample), with no more than `cut.samples` rows and `cut.tokens` padded tokens each at
+    the step's common width; rows grouped by length."""
+    samples = len(prompt_lengths)
+    order = np.argsort(-(np.asarray(prompt_lengths) + np.asarray(response_lengths)), kind="stable")
+    width = cut.width(prompt_lengths, response_lengths)
 
+    def fits(count: int) -> bool:
+        size = samples // count
+        return (cut.samples is None or size <= cut.samples) and (cut.tokens is None or size * width <= cut.tokens)
 
-def micro_batch_count(samples: int, pp: int) -> int:
-    """The smallest divisor of `samples` that is at least `pp` (enough micro-batches to fill the
-    pipeline), or `samples` itself."""
-    return next(m for m in range(min(pp, samples), samples + 1) if samples % m == 0)
+    count = next((m for m in range(min(pp, samples), samples + 1) if samples % m == 0 and fits(m)), samples)
+    return list(order.reshape(count, -1))

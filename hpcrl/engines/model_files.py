@@ -1,0 +1,157 @@
+"""The policy's weights on disk: a Hugging Face directory (config.json + safetensors) every engine loads from.
+
+One source for every engine and every rank: a real checkpoint (`model.path`) or, for a job with
+random weights, the seeded model written once by the controller (`write_random_init`). Readers
+take only what they keep: a whole tensor, or a slice of it (safetensors' `get_slice` reads just
+those bytes), so a rank that holds a shard never materialises the full model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hpcrl.config.job import JobConfig, ModelConfig
+from hpcrl.engines.hf_model import DTYPES, random_model
+
+INIT_DIR = "model-init"
+_INIT_STAMP = "hpcrl-init.json"
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass
+class ModelFiles:
+    """A local HF model directory, read tensor by tensor (safe to share between engines on a rank)."""
+
+    path: Path
+    _where: dict[str, Path] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._where = {name: self.path / file for name, file in weight_map.items()}
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.path}: no *.safetensors files (a Hugging Face model directory "
+                                        "saved with safetensors is needed)")
+            for file in files:
+                with safe_open(file, framework="pt") as handle:
+                    self._where.update({name: file for name in handle.keys()})
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def _file_of(self, name: str) -> tuple[Path, str]:
+        """Where `name` is stored: a tied lm_head is the embedding (HF does not save it twice)."""
+        if name not in self._where and name == _HEAD:
+            name = _EMBED
+        if name not in self._where:
+            raise KeyError(f"{self.path}: no tensor {name!r} in the safetensors files")
+        return self._where[name], name
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its rows/columns [start, stop) along `dim` (0 or 1), cast to `dtype`."""
+        file, stored = self._file_of(name)
+        with safe_open(file, framework="pt") as handle:
+            if dim is None:
+                tensor = handle.get_tensor(stored)
+            else:
+                piece = handle.get_slice(stored)
+                tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stored tensor, one at a time, with one open handle per file."""
+        with ExitStack() as stack:
+            handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in set(self._where.values())}
+            for name, file in self._where.items():
+                tensor = handles[file].get_tensor(name)
+                yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def model_dir(job: JobConfig, run_dir: Path) -> Path:
+    """Where this job's initial weights are: `model.path`, or the run's random init."""
+    return Path(job.model.path) if job.model.path else Path(run_dir) / INIT_DIR
+
+
+def _stamp(model: ModelConfig, seed: int) -> dict:
+    return {"seed": seed, "model": model.model_dump(mode="json")}
+
+
+def write_random_init(job: JobConfig, tokenizer, run_dir: Path) -> Path:
+    """The job's seeded random model as a HF directory under the run dir, written once (by the
+    controller, before any rank builds an engine) and kept for the run's restarts. Atomic: a
+    directory with a matching stamp is complete; anything else is replaced."""
+    target = Path(run_dir) / INIT_DIR
+    stamp = _stamp(job.model, job.seed)
+    stamp_file = target / _INIT_STAMP
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+        return target
+    partial = target.with_name(f"{INIT_DIR}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_model(random_model(job.model, tokenizer, job.seed), partial)
+    (partial / _INIT_STAMP).write_text(json.dumps(stamp))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
+    return target
+
+
+def save_model(model: torch.nn.Module, path: Path) -> Path:
+    """`model` as a HF directory (config.json + one safetensors file; a tied head is stored once,
+    as HF stores it) that every engine, vLLM and transformers can load."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@torch.no_grad()
+def load_full(files: ModelFiles, dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The whole HF model in `dtype` on `device`: for a rank that keeps all of it (a DDP replica,
+    a native sampler, a reference without FSDP). Allocated once on `device`, then filled tensor by
+    tensor: no second copy in host memory."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    model = empty_model(files, dtype)
+    model.to_empty(device=device)
+    model.tie_weights()   # to_empty gives every module a new tensor: tie the head to the embedding again
+    init_buffers(model)
+    for name, param in model.named_parameters():
+        param.copy_(files.read(name, dtype=dtype))
+    return model
+
+
+def empty_model(files: ModelFiles, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF model on the meta device (no storage): to be sharded, then filled by its shards."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(files.config(), dtype=dtype)
+
+
+@torch.no_grad()
+def init_buffers(model: torch.nn.Module) -> None:
+    """Recompute the non-persistent buffers (rotary `inv_freq`) that `to_empty` left uninitialised:
+    they are not in the checkpoint, HF computes them in the constructor."""
+    for module in model.modules():
+        if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(recurse=False)):
+            model._init_weights(module)

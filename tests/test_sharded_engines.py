@@ -1,0 +1,246 @@
+"""Engines that hold a real model: sharded loading, fp32 master weights, micro-batches, the CPU shim's scope.
+
+One MPI run of 2 ranks (gloo) goes through every engine layout that shards or accumulates, each
+built from the same HF files the runtime writes, and compares it with the whole model loaded on
+one rank:
+- FSDP2 dp=2 and DeepSpeed ZeRO-3 dp=2 hold half the weights per rank and give the whole model's
+  log-probabilities and weights;
+- the gradient of one optimizer step is the same for every micro-batch size and token budget
+  (torch DDP, FSDP2, Megatron tp=2);
+- bf16 jobs keep fp32 master weights: three steps at lr 1e-6 move (nearly) every weight;
+- a Hugging Face model built on a rank that also hosts a Megatron trainer gives exact logits.
+Run as a script (by the fixture) it is the MPI program; rank 0 writes the findings as JSON.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, mpi_findings, random_files
+
+MICRO = {"whole": [], "one_sample": ["train.micro_batch_size=1"], "budget": ["train.max_tokens_per_micro_batch=40"]}
+
+
+@pytest.fixture(scope="module")
+def findings(tmp_path_factory) -> dict:
+    return mpi_findings(__file__, 2, tmp_path_factory.mktemp("sharded") / "findings.json", timeout=600)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_a_sharded_engine_holds_half_the_weights_and_computes_what_the_whole_model_does(findings, engine):
+    found = findings[engine]
+    assert 0.45 < found["local_share"] < 0.55, found
+    assert found["logprob_max_diff"] < 1e-5, found
+    assert found["weights_equal_files"], found
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "megatron_tp2"])
+def test_the_gradient_of_a_step_does_not_depend_on_the_micro_batches(findings, engine):
+    found = findings[f"grad_{engine}"]
+    assert found["micro_batches"]["one_sample"] > found["micro_batches"]["budget"] > found["micro_batches"]["whole"]
+    for cut in ("one_sample", "budget"):
+        assert found["max_diff"][cut] < 1e-6, found
+    assert found["grad_scale"] > 1e-3, "the gradients compared are not all zero"
+
+
+@pytest.mark.parametrize("engine", ["fp32", "bf16_autocast", "bf16_fsdp2"])
+def test_three_steps_at_a_small_lr_move_nearly_every_weight(findings, engine):
+    found = findings[f"lr1e-6_{engine}"]
+    assert found["moved_share"] > 0.95, found
+    assert found["master_dtype"] == "torch.float32" and found["synced_dtype"] == found["job_dtype"], found
+
+
+def test_bf16_without_master_weights_would_not_move():
+    """The reason for master weights, measured: a bf16 weight cannot hold a 1e-6 step."""
+    import torch
+
+    weight = torch.randn(1000, dtype=torch.bfloat16)
+    assert (weight - 1e-6 * torch.sign(weight) != weight).float().mean() < 0.01
+
+
+def test_hf_logits_are_exact_on_a_rank_that_also_hosts_megatron(findings):
+    if "shim" not in findings:
+        pytest.skip("megatron-core is not installed")
+    found = findings["shim"]
+    assert found["torch_restored"], found
+    assert found["hf_logits_max_diff"] == 0.0, found
+
+
+# ---- the MPI program -------------------------------------------------------------------------------------------
+
+def _job(*overrides: str):
+    from hpcrl.config import load_job
+
+    base = ["train.grad_clip=null", "train.minibatches=1", "train.ppo_epochs=1", "algorithm.kl_coef=0.1",
+            "model.num_layers=3", "model.tie_word_embeddings=false"]
+    return load_job(REPO / "jobs" / "tiny_grpo.yaml", [*base, *overrides])
+
+
+def _samples(tokenizer, files, job, seed: int):
+    """8 samples of varied lengths with advantages, old and reference log-probs from the whole model."""
+    import numpy as np
+
+    from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+    from hpcrl.ragged import Ragged
+
+    rng = np.random.default_rng(seed)
+    vocab = tokenizer.vocab_size
+    prompts = Ragged.from_rows([rng.integers(3, vocab, rng.integers(2, 10)) for _ in range(8)], np.int32)
+    responses = Ragged.from_rows([rng.integers(3, vocab, rng.integers(1, 9)) for _ in range(8)], np.int32)
+    old = TorchTrainer(files, job, tokenizer.pad_token_id, None, trainable=False).logprobs(prompts, responses)
+    advantages = old.with_values(rng.standard_normal(len(old.values)).astype(np.float32))
+    return Samples(prompts, responses, {"old_logprobs": old, "ref_logprobs": old.with_values(old.values - 0.1),
+                                        "advantages": advantages})
+
+
+def _shard(samples, rank: int):
+    import numpy as np
+
+    from hpcrl.engines.torch_trainer import Samples
+
+    rows = np.arange(rank * 4, rank * 4 + 4)
+    return Samples(samples.prompt_ids.take(rows), samples.response_ids.take(rows),
+                   {k: v.take(rows) for k, v in samples.columns.items()})
+
+
+def _full_grads(module) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, p in module.named_parameters():
+        grad = getattr(p, "main_grad", None) if p.grad is None else p.grad
+        grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    return grads
+
+
+def _grad_check(make_engine, module_of, samples, rank: int) -> dict:
+    """Train one step from the same weights under each micro-batch cut; compare the gradients."""
+    grads, counts = {}, {}
+    for cut, overrides in MICRO.items():
+        engine = make_engine(_job(*overrides))
+        metrics = engine.train_step(_shard(samples, rank), 1e-3)
+        grads[cut] = _full_grads(module_of(engine))
+        counts[cut] = metrics.get("micro_batches")
+    whole = grads["whole"]
+    return {"micro_batches": counts,
+            "max_diff": {cut: max(float((g[n] - whole[n]).abs().max()) for n in whole) for cut, g in grads.items()},
+            "grad_scale": max(float(g.abs().max()) for g in whole.values())}
+
+
+def _moved_share(make_engine, samples, rank: int, dtype: str) -> dict:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    job = _job(f"model.dtype={dtype}", "train.lr=1e-6")
+    engine = make_engine(job)
+
+    def local(p):
+        return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+
+    params = list(engine.module.parameters())
+    before = [local(p) for p in params]
+    for _ in range(3):
+        engine.train_step(_shard(samples, rank), 1e-6)
+    moved = sum(int((local(p) != b).sum()) for p, b in zip(params, before))
+    total = sum(b.numel() for b in before)
+    return {"moved_share": moved / total, "master_dtype": str(params[0].dtype), "job_dtype": str(getattr(torch, dtype)),
+            "synced_dtype": str(next(iter(engine.named_weights()))[1].dtype)}
+
+
+def _sharded_check(engine, files, samples, local_numel: int) -> dict:
+    import torch
+
+    total = sum(t.numel() for _, t in files.tensors())
+    logprobs = engine.logprobs(samples.prompt_ids, samples.response_ids)
+    weights = dict(engine.named_weights())
+    return {"local_share": local_numel / total,
+            "logprob_max_diff": float(abs(logprobs.values - samples.columns["old_logprobs"].values).max()),
+            "weights_equal_files": all(torch.equal(weights[n], t) for n, t in files.tensors() if n in weights)}
+
+
+def _shim_check(files, tokenizer, rank: int, found: dict) -> None:
+    """Megatron (tp=2 over both ranks): the gradient check, then an HF model built next to it."""
+    import torch
+
+    from hpcrl.engines.megatron.engine import MegatronTrainer
+    from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
+    from hpcrl.engines.model_files import load_full
+
+    factories = (torch.zeros, torch.tensor, torch.Tensor.type, torch.cuda.current_device)
+    ids = torch.arange(3, 15)[None]
+    before = load_full(files, "float32")(input_ids=ids).logits
+    groups = new_role_groups(role_rank_groups({"tp": 2}, [0, 1]), rank)
+
+    def megatron(job):
+        return MegatronTrainer(files, job, tokenizer.pad_token_id, groups)
+
+    samples = _samples(tokenizer, files, _job(), seed=3)
+    # rank=0: both TP ranks of the one replica train on the same samples
+    found["grad_megatron_tp2"] = _grad_check(megatron, lambda e: e.gpt, samples, rank=0)
+    after = load_full(files, "float32")(input_ids=ids).logits
+    found["shim"] = {"torch_restored": factories == (torch.zeros, torch.tensor, torch.Tensor.type,
+                                                     torch.cuda.current_device),
+                     "hf_logits_max_diff": float((after - before).abs().max())}
+
+
+def main(out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcrl.data import CharTokenizer
+    from hpcrl.runtime.mpi_world import init_torch_distributed
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.set_num_threads(1)
+    init_torch_distributed("gloo")
+    world = dist.new_group([0, 1])
+    tokenizer = CharTokenizer()
+    files = random_files(_job(), tokenizer, Path(tempfile.mkdtemp(prefix=f"hpcrl-sharded-{rank}-")))
+    found: dict = {}
+    try:
+        from torch.distributed.tensor import DTensor
+
+        from hpcrl.engines.torch_trainer import TorchTrainer
+
+        samples = _samples(tokenizer, files, _job(), seed=1)
+
+        def torch_engine(group, fsdp):
+            return lambda job: TorchTrainer(files, job, tokenizer.pad_token_id, group, fsdp=fsdp)
+
+        fsdp = torch_engine(world, True)(_job())
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in fsdp.module.parameters())
+        found["fsdp2"] = _sharded_check(fsdp, files, samples, local)
+        found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: e.module, samples, rank)
+        found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: e.module, samples, rank)
+        found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
+        found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
+        found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")
+        if importlib.util.find_spec("deepspeed") is not None:
+            from hpcrl.engines.deepspeed_engine import DeepSpeedTrainer
+
+            zero3 = DeepSpeedTrainer(files, _job(), tokenizer.pad_token_id, world, zero_stage=3)
+            local = sum(p.ds_tensor.numel() for p in zero3.module.parameters())
+            found["zero3"] = _sharded_check(zero3, files, samples, local)
+        if importlib.util.find_spec("megatron") is not None:
+            _shim_check(files, tokenizer, rank, found)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        comm.Abort(1)   # the other rank would wait in a collective forever
+        raise
+    if rank == 0:
+        out.write_text(json.dumps(found))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
