@@ -287,7 +287,7 @@ def _check_memory(stages: dict[str, StagePlan], slots: dict[str, list[int]], mem
         parts = " + ".join(f"{n} {memory[n].describe()}" for n in resident)
         p = roles[biggest].parallel
         fix = f"raise tp or pp of {biggest} (now tp*pp = {p.tp * p.pp})"
-        if memory[biggest].kv_cache:
+        if memory[biggest].part("KV cache"):
             fix += ", or lower train.prompts_per_step or model.max_position_embeddings (the KV cache)"
         if len(resident) > 1:
             fix += ", or place the roles on separate devices"
@@ -296,6 +296,19 @@ def _check_memory(stages: dict[str, StagePlan], slots: dict[str, list[int]], mem
             f"{_describe_slot(slot, profile.devices_per_node)}, over the device's {profile.device_memory_gb:g} GB "
             f"(device_memory_gb of cluster {profile.name}): {parts}. Fix: {fix}")
     return filled
+
+
+def _check_vllm_pool(job: JobConfig, memory: dict[str, MemoryEstimate], profile: ClusterProfile) -> None:
+    """vLLM must fit the weights (and some KV cache) into its share of the device."""
+    infer = memory.get("actor_infer")
+    if infer is None or job.engine("actor_infer") != "vllm":
+        return
+    pool = job.rollout.gpu_memory_utilization * profile.device_memory_gb
+    if infer.part("weights") / GIB >= 0.9 * pool:
+        raise PlacementError(
+            f"rollout.gpu_memory_utilization: vLLM's share of a {profile.device_memory_gb:g} GB device is "
+            f"{pool:.2f} GB, and the rollout weights alone are {infer.part('weights') / GIB:.2f} GB per device: no "
+            "room for a KV cache. Fix: raise rollout.gpu_memory_utilization or roles.actor_infer.parallel.tp")
 
 
 def _check_batches(job: JobConfig, roles: dict[str, _Role]) -> None:
@@ -325,7 +338,9 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     _check_stage_conflicts(roles, slots, per_node)
 
     shape = ModelShape.from_model(job.model)
-    memory = {name: estimate_role_memory(name, job, shape, role.parallel) for name, role in roles.items()}
+    memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb)
+              for name, role in roles.items()}
+    _check_vllm_pool(job, memory, profile)
     stages = _check_memory(_stage_plans(roles, slots), slots, memory, roles, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})

@@ -1,24 +1,50 @@
-"""Parameter count from the model config and the per-device memory of each role (a static estimate).
+"""Parameter count from the model config and the per-device memory of each role, in each engine's layout.
 
 GB here means GiB (2**30 bytes), on both sides of the comparison with `device_memory_gb`.
+Every figure is per device, while the role is resident (see the plan's stages). Calibrated on
+CPU against the measured peak of a training step (bench/memory.py, tests/test_memory_estimate.py).
 
-Formulas (P = parameter count, b = bytes per element of `model.dtype`: 4 float32, 2 bfloat16/float16):
+P = parameter count; b = bytes per element of `model.dtype` (4 float32, 2 bfloat16/float16);
+shards = tp*pp.
 
 - P: embedding V*H; per layer: q H*H (+H bias), k and v H*KV (+KV bias each) with KV = kv_heads *
   head_dim (GQA), o H*H, SwiGLU MLP 3*H*I, two RMSNorms 2*H; final norm H; lm head V*H unless the
   embeddings are tied. qkv biases for arch qwen2 (and for a llama config.json with attention_bias).
   V = model.vocab_size, or 256 (the built-in task tokenizer's order of size) when unset. The critic
   has a value head (H + 1) instead of the lm head.
-- training roles (actor_train, critic): 16 B/param over tp*pp: b weights + (16 - b) for gradients
-  and Adam (bf16/fp16 mixed precision: 2 weights + 2 grads + 4 fp32 master + 4 m + 4 v; fp32:
-  4 + 4 + 4 m + 4 v). Activations are not counted. With engine deepspeed, ZeRO divides by dp the
-  optimizer state, 16 - 2b (stage >= 1), the gradients, b (stage >= 2), and the weights (stage 3).
-- reference: weights only, b*P / (tp*pp).
+- Model state of a training role (actor_train, critic), by engine:
+  - torch: fp32 master weights 4P, fp32 gradients 4P, Adam 8P, and 8P of transients (AdamW's
+    temporaries, foreach on GPUs, and gradient accumulation's; calibrated on CPU by
+    bench/memory.py); with FSDP2 all divided by dp,
+    plus the units gathered for compute (two decoder layers and the root's embedding and head,
+    in b); with DDP (dp > 1) its gradient buckets (4P); with autocast (b = 2, no FSDP2) the
+    weights' 16-bit copies (bP).
+  - deepspeed: weights bP, gradients bP, optimizer state (16 - 2b)P (fp32 master weights and
+    Adam); ZeRO divides the optimizer state by dp (stage >= 1), the gradients (stage >= 2) and
+    the weights (stage 3).
+  - megatron: weights bP / shards, fp32 gradient buffer 4P / shards, and the distributed
+    optimizer's share (fp32 master weights when b = 2, and Adam) (4 + 8)P / shards / dp.
+- Activations of a training role: one micro-batch of T = rows x S tokens, S the context
+  (model.max_position_embeddings), rows = train.micro_batch_size (or the DP rank's minibatch),
+  fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
+  backward, per token: b * (2H + 6Q + 3KV + 4I) + 8H bytes (Q = heads * head_dim: the norms'
+  outputs, q/k/v before and after RoPE, the repeated k/v and the attention output, SwiGLU's four
+  I-wide tensors; the RMSNorms' fp32 inputs). Q, KV and I are split by tp; a pipeline stage holds
+  layers / pp layers for up to pp micro-batches in flight. train.recompute keeps only each
+  layer's input (bH per token) plus one layer's activations.
+- Logits: rows x R x V / tp (R = rollout.max_new_tokens: the torch engines compute logits for
+  response positions only) in b, their gradient in b, and for one chunk of at most 16M elements
+  the fp32 log-softmax, its exp and its gradient (recomputed in the backward); megatron computes fp32 logits for all S positions and keeps three vocab-wide
+  fp32 tensors of them. Forward-only roles (reference) keep the logits and one layer's
+  activations of a micro-batch.
+- reference: weights b*P / shards (/ dp with fsdp or ZeRO-3).
 - actor_infer: weights b*P / (tp*pp) plus the KV cache of one rollout batch held at once:
   2 (K and V) * ceil(layers/pp) * ceil(kv_heads/tp) * head_dim * b * seqs * seq_len, where
   seqs = ceil(train.prompts_per_step * algorithm.group_size / dp) (the sequences of a step that one
   replica generates concurrently) and seq_len = model.max_position_embeddings (the context cap: prompt
   plus response never exceed it). vLLM replicates kv heads when tp > kv_heads, hence the ceil.
+  vLLM takes `rollout.gpu_memory_utilization` of the device whatever it needs: its pool is the
+  estimate when that is larger (the KV cache then lives inside it).
 - reward, env: no model on the device (0).
 """
 from __future__ import annotations
@@ -29,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.config.job import JobConfig, ModelConfig, Parallel
+from hpcrl.config.constants import LOGSOFTMAX_CHUNK_ELEMENTS
 from hpcrl.placement.errors import PlacementError
 
 GIB = 2 ** 30
@@ -117,30 +144,27 @@ def count_parameters(shape: ModelShape, head: str = "lm") -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one device of a role holds while the role is on the device."""
+    """Bytes one device of a role holds while the role is on the device, part by part."""
 
     params: int
-    weights: int = 0
-    grads_optimizer: int = 0
-    kv_cache: int = 0
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads_optimizer + self.kv_cache
+        return sum(n for _, n in self.parts)
 
     @property
     def gb(self) -> float:
         return self.total / GIB
 
+    def part(self, name: str) -> int:
+        return sum(n for key, n in self.parts if key == name)
+
     def describe(self) -> str:
         if not self.params:
             return "0 GB (no model on the device)"
-        parts = [f"weights {human_bytes(self.weights)}"]
-        if self.grads_optimizer:
-            parts.append(f"grads+Adam {human_bytes(self.grads_optimizer)}")
-        if self.kv_cache:
-            parts.append(f"KV cache {human_bytes(self.kv_cache)}")
-        return f"{human_bytes(self.total)} ({', '.join(parts)}; {human_count(self.params)} params)"
+        parts = ", ".join(f"{name} {human_bytes(n)}" for name, n in self.parts if n)
+        return f"{human_bytes(self.total)} ({parts}; {human_count(self.params)} params)"
 
 
 def human_bytes(nbytes: float) -> str:
@@ -166,19 +190,104 @@ def kv_cache_bytes(job: JobConfig, shape: ModelShape, parallel: Parallel) -> int
     return per_token * sequences * shape.max_position_embeddings
 
 
-def estimate_role_memory(role: str, job: JobConfig, shape: ModelShape, parallel: Parallel) -> MemoryEstimate:
-    """Per-device bytes of `role` with `parallel` sizes (the role's footprint while it is resident)."""
+def layer_parameters(shape: ModelShape) -> int:
+    return (count_parameters(shape) - count_parameters(ModelShape(**{**shape.__dict__, "num_layers": 0}))) \
+        // max(1, shape.num_layers)
+
+
+def micro_batch_rows(job: JobConfig, parallel: Parallel, context: int) -> int:
+    """Samples per micro-batch on one DP rank (see the module doc)."""
+    train = job.train
+    rows = math.ceil(job.train.prompts_per_step * job.algorithm.group_size / (parallel.dp * train.minibatches))
+    if train.micro_batch_size is not None:
+        rows = min(rows, train.micro_batch_size)
+    if train.max_tokens_per_micro_batch is not None:
+        rows = min(rows, max(1, train.max_tokens_per_micro_batch // context))
+    return max(1, rows)
+
+
+def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
+    """Bytes one decoder layer keeps for the backward, per token (see the module doc)."""
+    h, q = shape.hidden_size, shape.num_heads * shape.head_dim
+    kv, i = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    return b * (2 * h + (6 * q + 3 * kv + 4 * i) / tp) + 8 * h
+
+
+def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, shape: ModelShape
+                 ) -> list[tuple[str, int]]:
+    """Weights, gradients, master weights and optimizer state in the engine's layout."""
+    b = DTYPE_BYTES[job.model.dtype]
+    shards, dp = parallel.tp * parallel.pp, parallel.dp
+    engine = job.engine(role)
+    trainable = role in TRAINING_ROLES
+    sharded = job.zero_stage(role) >= 3 and dp > 1
+    if not trainable:
+        return [("weights", math.ceil(params * b / shards / (dp if sharded else 1)))]
+    if engine == "megatron":
+        master = 4 if b < 4 else 0
+        return [("weights", math.ceil(params * b / shards)), ("grads", math.ceil(params * 4 / shards)),
+                ("master+Adam", math.ceil(params * (master + 8) / shards / dp))]
+    if engine == "deepspeed":
+        zero = job.zero_stage(role)
+        return [("weights", math.ceil(params * b / (dp if zero >= 3 else 1))),
+                ("grads", math.ceil(params * b / (dp if zero >= 2 else 1))),
+                ("master+Adam", math.ceil(params * (TRAIN_BYTES_PER_PARAM - 2 * b) / (dp if zero >= 1 else 1)))]
+    # torch: fp32 master weights are the parameters; FSDP2 shards all of it over dp
+    share = dp if sharded else 1
+    parts = [("weights", math.ceil(params * 4 / share)), ("grads", math.ceil(params * 4 / share)),
+             ("Adam", math.ceil(params * 8 / share)), ("step transients", math.ceil(params * 8 / share))]
+    if sharded:
+        root = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+        parts.append(("gathered units", (2 * layer_parameters(shape) + root) * b))
+    else:
+        if dp > 1:
+            parts.append(("DDP buckets", params * 4))
+        if b < 4:
+            parts.append(("autocast copies", params * b))
+    return parts
+
+
+def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Parallel) -> list[tuple[str, int]]:
+    """Activations and logits of one micro-batch (training roles: kept for the backward)."""
+    b = DTYPE_BYTES[job.model.dtype]
+    context = shape.max_position_embeddings
+    rows = micro_batch_rows(job, parallel, context)
+    tokens = rows * context
+    per_token = _activation_per_token(shape, b, parallel.tp)
+    layers = math.ceil(shape.num_layers / parallel.pp)
+    vocab = math.ceil(shape.vocab_size / parallel.tp)
+    megatron = job.engine(role) == "megatron"
+    if role not in TRAINING_ROLES:
+        activations = per_token * tokens
+    elif job.train.recompute:
+        activations = tokens * (layers * b * shape.hidden_size + per_token)
+    else:
+        activations = tokens * layers * per_token * parallel.pp   # 1F1B: pp micro-batches in flight on stage 0
+    if megatron:
+        logits = rows * context * vocab * 4 * 3
+    else:
+        response = rows * (job.rollout.max_new_tokens + 1) * vocab
+        chunk = min(response, LOGSOFTMAX_CHUNK_ELEMENTS)
+        if role in TRAINING_ROLES:   # logits and their gradient; the chunk's log-softmax, exp and gradient
+            logits = response * 2 * b + chunk * 3 * 4
+        else:
+            logits = response * b + chunk * 2 * 4
+    return [("activations", math.ceil(activations)), ("logits", math.ceil(logits))]
+
+
+def estimate_role_memory(role: str, job: JobConfig, shape: ModelShape, parallel: Parallel,
+                         device_memory_gb: float | None = None) -> MemoryEstimate:
+    """Per-device bytes of `role` with `parallel` sizes (the role's footprint while it is resident).
+    `device_memory_gb`: the device's size, for vLLM's pool (rollout.gpu_memory_utilization)."""
     if role not in TRAINING_ROLES + GENERATION_ROLES + FORWARD_ROLES:
         return MemoryEstimate(params=0)
     params = count_parameters(shape, head="value" if role == "critic" else "lm")
-    shards = parallel.tp * parallel.pp
-    b = DTYPE_BYTES[job.model.dtype]
-    zero = job.zero_stage(role)
-    weights = math.ceil(params * b / shards / (parallel.dp if zero >= 3 else 1))
-    if role in TRAINING_ROLES:
-        grads = params * b / (parallel.dp if zero >= 2 else 1)
-        optimizer = params * (TRAIN_BYTES_PER_PARAM - 2 * b) / (parallel.dp if zero >= 1 else 1)
-        return MemoryEstimate(params, weights, math.ceil((grads + optimizer) / shards))
     if role in GENERATION_ROLES:
-        return MemoryEstimate(params, weights, kv_cache=kv_cache_bytes(job, shape, parallel))
-    return MemoryEstimate(params, weights)
+        weights = math.ceil(params * DTYPE_BYTES[job.model.dtype] / (parallel.tp * parallel.pp))
+        parts = [("weights", weights), ("KV cache", kv_cache_bytes(job, shape, parallel))]
+        if job.engine(role) == "vllm" and device_memory_gb is not None:
+            pool = int(job.rollout.gpu_memory_utilization * device_memory_gb * GIB)
+            parts.append(("vLLM pool reserve", max(0, pool - weights - parts[1][1])))
+        return MemoryEstimate(params, tuple(parts))
+    return MemoryEstimate(params, tuple(_model_state(role, job, params, parallel, shape)
+                                        + _activations(role, job, shape, parallel)))
