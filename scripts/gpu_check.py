@@ -1,5 +1,6 @@
 """The GPU check of the GPU engines: a few GRPO steps of a tiny Qwen2, megatron (TP=1) training and
-vllm rollout on one GPU, with the weight sync between them.
+vllm rollout on one GPU, with the weight sync between them; before that, the memory check: a ~0.4B
+model loaded from safetensors by the torch and megatron engines, their GPU peak against the plan.
 
 Each step: the rollout samples, the trainer recomputes the log-probabilities of the same tokens
 (their mean absolute difference must stay under --tolerance nats), trains, stages its weights in
@@ -41,6 +42,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rollout", default="auto", choices=["auto", "vllm", "native"],
                         help="auto: vllm if importable, else the native sampler (on the CPU), said loudly")
     parser.add_argument("--tolerance", type=float, default=0.02, help="max mean |logprob difference| in nats")
+    parser.add_argument("--memory-tolerance", type=float, default=0.3,
+                        help="max relative difference of the plan's memory estimate from the measured GPU peak")
     return parser.parse_args()
 
 
@@ -198,10 +201,74 @@ def run(args: argparse.Namespace, rollout_kind: str) -> None:
         f"{len(cut.response_ids.values)} tokens kept (partial rollout)")
 
 
+def memory_check(args: argparse.Namespace) -> None:
+    """Sharded loading and the plan's estimate on the GPU: a ~0.4B Qwen2 (random weights written to
+    safetensors, loaded through model.path as a checkpoint is) for the torch engine (fp32 master
+    weights under bf16 autocast) and the megatron engine (tp 1). The engine must load straight onto
+    the GPU (host memory never holds the whole model twice); the estimate for the job must lie
+    within --memory-tolerance of torch.cuda's peak of the second training step."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from hpcrl.config.job import JobConfig
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
+    from hpcrl.engines.model_files import ModelFiles, write_random_init
+    from hpcrl.engines.registry import training_engine
+    from hpcrl.engines.torch_trainer import Samples
+    from hpcrl.placement.memory import ModelShape, estimate_role_memory
+    from hpcrl.ragged import Ragged
+
+    prompt, response, samples = 448, 64, 8
+    tokenizer = CharTokenizer()
+    rng = np.random.default_rng(0)
+    prompts = Ragged.from_rows([rng.integers(3, tokenizer.vocab_size, prompt) for _ in range(samples)], np.int32)
+    responses = Ragged.from_rows([rng.integers(3, tokenizer.vocab_size, response) for _ in range(samples)], np.int32)
+    zeros = Ragged.from_rows([np.zeros(response, np.float32) for _ in range(samples)], np.float32)
+    batch = Samples(prompts, responses, {"old_logprobs": zeros.with_values(zeros.values - 3.0),
+                                         "advantages": zeros.with_values(rng.standard_normal(len(zeros.values))
+                                                                          .astype(np.float32))})
+    directory = Path(tempfile.mkdtemp(prefix="hpcrl-gpu-memory-"))
+    for engine in ("torch", "megatron"):
+        job = JobConfig.model_validate({
+            "name": "gpu-memory", "seed": 1, "task": {"name": "addition", "digits": 1},
+            "model": {"arch": "qwen2", "hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 4,
+                      "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": prompt + response,
+                      "tie_word_embeddings": True, "dtype": "bfloat16"},
+            "algorithm": {"name": "grpo", "group_size": 1, "kl_coef": 0.0},
+            "train": {"prompts_per_step": samples, "minibatches": 1, "lr": 1e-6, "micro_batch_size": 2},
+            "rollout": {"max_new_tokens": response},
+            "roles": {"actor_train": {"engine": engine}, "actor_infer": {"engine": "native"}},
+        })
+        files = ModelFiles(write_random_init(job, tokenizer, directory))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        groups = new_role_groups(role_rank_groups({"tp": 1}, [0]), 0) if engine == "megatron" else None
+        trainer = training_engine(engine)(files, job, tokenizer.pad_token_id, groups, "cuda:0")
+        loaded = torch.cuda.max_memory_allocated() - base
+        trainer.train_step(batch, job.train.lr)          # allocates gradients and optimizer state
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train_step(batch, job.train.lr)
+        peak = torch.cuda.max_memory_allocated() - base
+        estimate = estimate_role_memory("actor_train", job, ModelShape.from_model(job.model),
+                                        job.roles.actor_train.parallel)
+        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in estimate.parts if v)
+        say(f"memory {engine}: loaded {loaded / 2**30:.2f} GB, step peak {peak / 2**30:.2f} GB, estimate "
+            f"{estimate.total / 2**30:.2f} GB ({parts}): {estimate.total / peak:.2f}x")
+        if not abs(estimate.total / peak - 1) <= args.memory_tolerance:
+            fail(f"memory {engine}: the plan's estimate is {estimate.total / peak:.2f}x the measured peak "
+                 f"(tolerance {args.memory_tolerance:.0%})")
+        del trainer
+
+
 def main() -> None:
     args = parse()
     rollout_kind = preflight(args)
     one_rank_world()
+    memory_check(args)
     run(args, rollout_kind)
     checked = "megatron + vllm" if rollout_kind == "vllm" else "megatron only (vllm NOT CHECKED)"
     say(f"PASS: {checked}: {args.steps} GRPO steps, log-probabilities agree within {args.tolerance} nats")

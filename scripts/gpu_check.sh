@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check of the megatron and vllm engines: a few GRPO steps of a tiny Qwen2 on one GPU
-# (scripts/gpu_check.py says what is checked), then, with two GPUs or more, `hpcrl run` with the
-# trainer and rollout on GPUs of their own (the staged, pinned weight sync; NCCL to vLLM). Two uses:
+# The GPU check of the megatron and vllm engines: the memory check (a ~0.4B Qwen2 loaded from safetensors
+# straight onto the GPU by the torch and megatron engines, their peak against the plan's estimate), a few
+# GRPO steps of a tiny Qwen2 on one GPU (scripts/gpu_check.py says what is checked), then, with two
+# GPUs or more, `hpcrl run` with the trainer and rollout on GPUs of their own (the staged, pinned weight
+# sync; NCCL to vLLM). Two uses:
 #
 #   scripts/gpu_check.sh --prepare   here, where pip reaches PyPI: download the wheels the GPU machine
 #                                    lacks (megatron-core, pydantic; Python 3.12, x86-64) into

@@ -191,15 +191,16 @@ def test_qwen_7b_example_plan():
     # 7.6B params over tp*pp = 8: Megatron bf16 weights 2 B/param, fp32 gradient buffer 4 B, fp32 master
     # weights + Adam 12 B over dp = 2; activations of one 4096-token micro-batch: 14 layers per stage x
     # 92416 B per token (2 * (2*3584 + (6*3584 + 3*512 + 4*18944) / 4) + 8*3584) x 2 micro-batches in
-    # flight; fp32 logits of 4096 positions x 152064/4 vocabulary x 3 tensors.
+    # flight; fp32 logits of 4096 positions x 152064/4 vocabulary and their gradient, and 3 fp32 tensors
+    # of the 1025 response positions.
     gb = {name: n / 2**30 for name, n in train.memory.parts}
     p = train.memory.params
     assert gb["weights"] == pytest.approx(2 * p / 8 / 2**30) and gb["grads"] == pytest.approx(4 * p / 8 / 2**30)
     assert gb["master+Adam"] == pytest.approx(12 * p / 16 / 2**30)
     assert gb["activations"] == pytest.approx(4096 * 14 * 92416 * 2 / 2**30)
-    assert gb["logits"] == pytest.approx(4096 * 38016 * 4 * 3 / 2**30)
-    assert 22.2 < train.memory_gb["train"] < 22.3
-    assert 3.8 < ref.memory_gb["logprobs"] < 3.9 and ref.memory_gb["train"] == 0   # weights 1.8 + logits 1.7
+    assert gb["logits"] == pytest.approx((4096 * 2 + 1025 * 3) * 38016 * 4 / 2**30)
+    assert 22.0 < train.memory_gb["train"] < 22.2
+    assert 3.1 < ref.memory_gb["logprobs"] < 3.2 and ref.memory_gb["train"] == 0   # weights 1.8 + logits 1.0
     assert max(plan.stages["logprobs"].slot_memory_gb.values()) < 80
     # vLLM tp2: weights 7.1 GB + KV 64 seqs x 4096 tokens x 2*28*2*128*2 B = 7.0 GB, inside its pool of
     # rollout.gpu_memory_utilization 0.5 x 80 GB
@@ -360,10 +361,10 @@ def test_rejects_ep_not_dividing_dp():
 
 
 def test_rejects_memory_over_the_device():
-    message = rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 102.60 GB on slot 0",
+    message = rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 99.13 GB on slot 0",
                       load_job(BIG_JOB, ["roles.actor_train.parallel.tp=1", "roles.actor_train.parallel.pp=1",
                                          "roles.actor_train.parallel.dp=16"]), load_profile(BIG_CLUSTER))
-    assert "over the device's 80 GB" in message and "reference 22.06 GB (weights 14.19 GB" in message
+    assert "over the device's 80 GB" in message and "reference 19.17 GB (weights 14.19 GB" in message
     message = rejects("roles.actor_infer.parallel: the memory estimate in stage rollout",
                       load_job(BIG_JOB, ["model.max_position_embeddings=32768", "train.prompts_per_step=256"]),
                       load_profile(BIG_CLUSTER))

@@ -45,6 +45,8 @@ def test_the_gradient_of_a_step_does_not_depend_on_the_micro_batches(findings, e
     assert found["micro_batches"]["one_sample"] > found["micro_batches"]["budget"] > found["micro_batches"]["whole"]
     for cut in ("one_sample", "budget"):
         assert found["max_diff"][cut] < 1e-6, found
+    if engine != "megatron_tp2":   # dp = 2, each rank half the samples == one rank with all of them
+        assert found["max_diff"]["one_rank"] < 1e-6, found
     assert found["grad_scale"] > 1e-3, "the gradients compared are not all zero"
 
 
@@ -77,7 +79,7 @@ def _job(*overrides: str):
     from hpcrl.config import load_job
 
     base = ["train.grad_clip=null", "train.minibatches=1", "train.ppo_epochs=1", "algorithm.kl_coef=0.1",
-            "model.num_layers=3", "model.tie_word_embeddings=false"]
+            "model.num_layers=3"]   # tied embeddings (the head is the embedding: one parameter to shard)
     return load_job(REPO / "jobs" / "tiny_grpo.yaml", [*base, *overrides])
 
 
@@ -118,8 +120,9 @@ def _full_grads(module) -> dict:
     return grads
 
 
-def _grad_check(make_engine, module_of, samples, rank: int) -> dict:
-    """Train one step from the same weights under each micro-batch cut; compare the gradients."""
+def _grad_check(make_engine, module_of, samples, rank: int, one_rank: dict | None = None) -> dict:
+    """Train one step from the same weights under each micro-batch cut; compare the gradients with
+    each other and, given `one_rank` (the gradient of one rank training on all the samples), with it."""
     grads, counts = {}, {}
     for cut, overrides in MICRO.items():
         engine = make_engine(_job(*overrides))
@@ -127,6 +130,8 @@ def _grad_check(make_engine, module_of, samples, rank: int) -> dict:
         grads[cut] = _full_grads(module_of(engine))
         counts[cut] = metrics.get("micro_batches")
     whole = grads["whole"]
+    if one_rank is not None:
+        grads["one_rank"] = one_rank
     return {"micro_batches": counts,
             "max_diff": {cut: max(float((g[n] - whole[n]).abs().max()) for n in whole) for cut, g in grads.items()},
             "grad_scale": max(float(g.abs().max()) for g in whole.values())}
@@ -155,12 +160,12 @@ def _moved_share(make_engine, samples, rank: int, dtype: str) -> dict:
 def _sharded_check(engine, files, samples, local_numel: int) -> dict:
     import torch
 
-    total = sum(t.numel() for _, t in files.tensors())
+    total = files.numel()
     logprobs = engine.logprobs(samples.prompt_ids, samples.response_ids)
     weights = dict(engine.named_weights())
     return {"local_share": local_numel / total,
             "logprob_max_diff": float(abs(logprobs.values - samples.columns["old_logprobs"].values).max()),
-            "weights_equal_files": all(torch.equal(weights[n], t) for n, t in files.tensors() if n in weights)}
+            "weights_equal_files": all(torch.equal(weights[n], files.read(n)) for n in files.names() if n in weights)}
 
 
 def _shim_check(files, tokenizer, rank: int, found: dict) -> None:
@@ -217,8 +222,11 @@ def main(out: Path) -> None:
         fsdp = torch_engine(world, True)(_job())
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in fsdp.module.parameters())
         found["fsdp2"] = _sharded_check(fsdp, files, samples, local)
-        found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: e.module, samples, rank)
-        found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: e.module, samples, rank)
+        alone = torch_engine(None, False)(_job())
+        alone.train_step(samples, 1e-3)   # all 8 samples on this rank
+        one_rank = _full_grads(alone.module)
+        found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: e.module, samples, rank, one_rank)
+        found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: e.module, samples, rank, one_rank)
         found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
         found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
         found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")

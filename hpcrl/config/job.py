@@ -257,6 +257,9 @@ class JobConfig(Schema):
             if role.fsdp and engine != "torch":
                 raise ValueError(f"roles.{name}.fsdp: FSDP2 is how the torch engine shards (this role's engine is "
                                  f"{engine!r}); remove fsdp, or use zero_stage with engine: deepspeed")
+            if engine == "torch" and name in ("actor_train", "critic") and self.model.dtype == "float16":
+                raise ValueError(f"model.dtype: float16 training needs loss scaling, which the torch engine (roles."
+                                 f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")
             p = role.parallel
             if engine == "deepspeed" and (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
                 raise ValueError(f"roles.{name}.parallel: the deepspeed engine is data parallel only (ZeRO shards over "

@@ -29,7 +29,21 @@ from hpcrl.engines.torch_trainer import TorchTrainer, adamw
 _NEVER = 2 ** 62   # DeepSpeed's steps_per_print: hpcrl prints its own metrics
 
 
-def deepspeed_config(job: JobConfig, stage: int, trainable: bool) -> dict:
+def zero_buckets(hidden_size: int, layer_numel: int, stage: int) -> dict:
+    """ZeRO's communication buckets sized by the model, as transformers' "auto" values are
+    (reduce bucket hidden^2, prefetch 0.9 hidden^2, small parameters kept whole below 10 hidden),
+    and at most two decoder layers' parameters gathered at once under ZeRO-3. DeepSpeed's defaults
+    (500M-element buckets, 1e9 live parameters) would hold 2 GB of fp32 buckets per rank and keep
+    a model below a billion parameters gathered whole."""
+    buckets = {"reduce_bucket_size": hidden_size * hidden_size, "allgather_bucket_size": hidden_size * hidden_size}
+    if stage == 3:
+        buckets.update(stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
+                       stage3_param_persistence_threshold=10 * hidden_size,
+                       stage3_max_live_parameters=2 * layer_numel, stage3_max_reuse_distance=2 * layer_numel)
+    return buckets
+
+
+def deepspeed_config(job: JobConfig, stage: int, trainable: bool, buckets: dict | None = None) -> dict:
     """The DeepSpeed config for one role: hpcrl cuts minibatches and micro-batches and calls step()
     at each minibatch's end (the sizes here only satisfy DeepSpeed's batch arithmetic)."""
     dtype = job.model.dtype
@@ -37,7 +51,7 @@ def deepspeed_config(job: JobConfig, stage: int, trainable: bool) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(buckets or {})},
         "bf16": {"enabled": dtype == "bfloat16"},
         "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": _NEVER,
@@ -93,7 +107,9 @@ class DeepSpeedTrainer(TorchTrainer):
         self.stage = zero_stage
         self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
         self.trainable = trainable
-        config = deepspeed_config(job, zero_stage, trainable)
+        hf_config = files.config()
+        buckets = zero_buckets(hf_config.hidden_size, files.numel("model.layers.0."), zero_stage)
+        config = deepspeed_config(job, zero_stage, trainable, buckets)
         model = self._build(files, config) if zero_stage == 3 else load_full(files, self.compute_dtype, device)
         if trainable:
             if job.train.recompute:

@@ -33,12 +33,12 @@ def hf_config(model: ModelConfig, vocab_size: int, pad_id: int, bos_id: int | No
 
 
 def random_model(model: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
-    """The whole model with weights drawn from `seed` (the same seed gives bit-identical weights)."""
-    dtype = DTYPES[model.dtype]
+    """The whole model with weights drawn from `seed` (the same seed gives bit-identical weights),
+    built in the job's dtype (a 16-bit model never exists in fp32). For the controller to write
+    once (engines/model_files.py); a job too large for one host's memory starts from model.path."""
     config = hf_config(model, tokenizer.vocab_size, tokenizer.pad_token_id, tokenizer.bos_token_id,
                        tokenizer.eos_token_id)
     _, model_cls = _ARCH[model.arch]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        built = model_cls(config)
-    return built.to(dtype)
+        return model_cls._from_config(config, dtype=DTYPES[model.dtype])

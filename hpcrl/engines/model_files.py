@@ -8,10 +8,9 @@ those bytes), so a rank that holds a shard never materialises the full model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +63,16 @@ class ModelFiles:
             raise KeyError(f"{self.path}: no tensor {name!r} in the safetensors files")
         return self._where[name], name
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from the file's header (no data read)."""
+        file, stored = self._file_of(name)
+        with safe_open(file, framework="pt") as handle:
+            return tuple(handle.get_slice(stored).get_shape())
+
+    def numel(self, prefix: str = "") -> int:
+        """Elements of the stored tensors whose names start with `prefix` (all by default)."""
+        return sum(math.prod(self.shape(name)) for name in self._where if name.startswith(prefix))
+
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None,
              dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor `name`, or only its rows/columns [start, stop) along `dim` (0 or 1), cast to `dtype`."""
@@ -76,22 +85,16 @@ class ModelFiles:
                 tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
         return tensor if dtype is None else tensor.to(dtype)
 
-    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every stored tensor, one at a time, with one open handle per file."""
-        with ExitStack() as stack:
-            handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in set(self._where.values())}
-            for name, file in self._where.items():
-                tensor = handles[file].get_tensor(name)
-                yield name, tensor if dtype is None else tensor.to(dtype)
-
 
 def model_dir(job: JobConfig, run_dir: Path) -> Path:
     """Where this job's initial weights are: `model.path`, or the run's random init."""
     return Path(job.model.path) if job.model.path else Path(run_dir) / INIT_DIR
 
 
-def _stamp(model: ModelConfig, seed: int) -> dict:
-    return {"seed": seed, "model": model.model_dump(mode="json")}
+def _stamp(model: ModelConfig, seed: int, tokenizer) -> dict:
+    """What decides the random weights: a directory with another stamp is rewritten."""
+    ids = {k: getattr(tokenizer, k, None) for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+    return {"seed": seed, "model": model.model_dump(mode="json"), "tokenizer": ids}
 
 
 def write_random_init(job: JobConfig, tokenizer, run_dir: Path) -> Path:
@@ -99,12 +102,13 @@ def write_random_init(job: JobConfig, tokenizer, run_dir: Path) -> Path:
     controller, before any rank builds an engine) and kept for the run's restarts. Atomic: a
     directory with a matching stamp is complete; anything else is replaced."""
     target = Path(run_dir) / INIT_DIR
-    stamp = _stamp(job.model, job.seed)
+    stamp = _stamp(job.model, job.seed, tokenizer)
     stamp_file = target / _INIT_STAMP
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return target
+    for leftover in target.parent.glob(f"{INIT_DIR}.partial-*"):   # an earlier attempt that died while writing
+        shutil.rmtree(leftover, ignore_errors=True)
     partial = target.with_name(f"{INIT_DIR}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
     save_model(random_model(job.model, tokenizer, job.seed), partial)
     (partial / _INIT_STAMP).write_text(json.dumps(stamp))
     shutil.rmtree(target, ignore_errors=True)
@@ -119,6 +123,7 @@ def save_model(model: torch.nn.Module, path: Path) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]   # vLLM picks its model class by this
     model.config.save_pretrained(path)
     tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -59,8 +59,9 @@ def combine_micro_metrics(outputs: list[dict], dp: int) -> dict[str, float]:
     tokens = sum(o["tokens"] for o in outputs)
     summed = {"loss", "kl_loss"}
     metrics = {k: sum(o[k] for o in outputs) * dp for k in summed if k in outputs[0]}
-    for key in outputs[0].keys() - summed - {"tokens", "entropy_sum"}:
+    for key in outputs[0].keys() - summed - {"tokens", "entropy_sum"}:   # every micro-batch has these
         metrics[key] = sum(o[key] * o["tokens"] for o in outputs) / max(tokens, 1.0)
-    if "entropy_sum" in outputs[0]:
-        metrics["entropy"] = sum(o["entropy_sum"] for o in outputs) / max(tokens, 1.0)
+    measured = [o for o in outputs if "entropy_sum" in o]   # the micro-batches whose entropy was computed
+    if measured:
+        metrics["entropy"] = sum(o["entropy_sum"] for o in measured) / max(sum(o["tokens"] for o in measured), 1.0)
     return metrics

@@ -46,13 +46,14 @@ def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
 
 
-def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, group: dist.ProcessGroup | None
-                  ) -> list[np.ndarray]:
+def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, group: dist.ProcessGroup | None,
+                  device: torch.device) -> list[np.ndarray]:
     """This rank's micro-batches, as many as the DP rank that needs most: sharded engines
-    (FSDP2, ZeRO-3) gather parameters in every forward, so all DP ranks run the same number."""
+    (FSDP2, ZeRO-3) gather parameters in every forward, DDP broadcasts buffers, so all DP ranks
+    run the same number. `device`: where the group's backend reduces (NCCL: the GPU)."""
     groups = cut.split(prompts.lengths, responses.lengths)
     if group is not None and dist.get_world_size(group) > 1:
-        count = torch.tensor([len(groups)])
+        count = torch.tensor([len(groups)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         groups = _split_further(cut, prompts.lengths, responses.lengths, groups, int(count))
     return groups
@@ -159,7 +160,7 @@ class TorchTrainer:
     def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
         """Per-token log-probabilities of the responses under the current weights, micro-batch by micro-batch."""
         samples = Samples(prompt_ids, response_ids, {})
-        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group)
+        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group, self.device)
         parts = []
         for rows in groups:
             batch, _ = self._micro_batch(samples, rows)
@@ -171,7 +172,7 @@ class TorchTrainer:
         return {k: v.to(self.device) for k, v in tensors.items()}
 
     def _dp_sum(self, value: float) -> float:
-        total = torch.tensor([value], dtype=torch.float64)
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.dp_group)
         return float(total.item())
@@ -191,16 +192,17 @@ class TorchTrainer:
             for index in np.array_split(np.arange(n), train.minibatches):
                 prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
                 minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()})
-                groups = split_for_all(cut, prompts, responses, self.dp_group)
+                groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
                 tokens = self._dp_sum(float(responses.lengths.sum()))
                 sequences = int(self._dp_sum(float(len(index))))
                 outputs = []
                 self._zero_grad()
                 for i, rows in enumerate(groups):
                     batch, columns = self._micro_batch(minibatch, rows)
-                    logp, entropy = self._forward(batch, with_entropy=True)
-                    if algo.entropy_coef == 0:
-                        entropy = entropy.detach()   # logged only: no graph through the softmax
+                    # without an entropy bonus the entropy is only logged, on the first micro-batch's tokens
+                    logp, entropy = self._forward(batch, with_entropy=algo.entropy_coef > 0 or i == 0)
+                    if entropy is not None and algo.entropy_coef == 0:
+                        entropy = entropy.detach()
                     loss, metrics = policy_objective(logp, entropy, columns, batch["response_mask"], algo,
                                                      tokens, sequences)
                     # DP averages gradients; the shares are already normalised by the global totals
@@ -220,13 +222,13 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
-        """Accumulate one micro-batch's gradient; DP reduces them with the last one."""
+        """Accumulate one micro-batch's gradient. DDP reduces them with the last one; FSDP2
+        reduce-scatters every micro-batch's into the sharded gradient (skipping the sync would
+        keep the whole model's unsharded gradients on every rank until the last)."""
         if isinstance(self.model, DistributedDataParallel) and not last:
             with self.model.no_sync():
                 loss.backward()
             return
-        if self.gathers_over_dp:
-            self.model.set_requires_gradient_sync(last)
         loss.backward()
 
     def _step(self) -> float | None:

@@ -19,25 +19,30 @@ shards = tp*pp.
     plus the units gathered for compute (two decoder layers and the root's embedding and head,
     in b); with DDP (dp > 1) its gradient buckets (4P); with autocast (b = 2, no FSDP2) the
     weights' 16-bit copies (bP).
-  - deepspeed: weights bP, gradients bP, optimizer state (16 - 2b)P (fp32 master weights and
-    Adam); ZeRO divides the optimizer state by dp (stage >= 1), the gradients (stage >= 2) and
-    the weights (stage 3).
-  - megatron: weights bP / shards, fp32 gradient buffer 4P / shards, and the distributed
-    optimizer's share (fp32 master weights when b = 2, and Adam) (4 + 8)P / shards / dp.
+  - deepspeed: weights bP, gradients bP, optimizer state 12P (fp32 master weights, also for an
+    fp32 model, and Adam) and 8P of step transients (AdamW over the flat fp32 partition); ZeRO
+    divides the optimizer state and transients by dp (stage >= 1), the gradients (stage >= 2)
+    and the weights (stage 3).
+  - megatron: weights bS / tp, fp32 gradient buffer 4S / tp, and the distributed optimizer's
+    share (fp32 master weights when b = 2, and Adam) (4 + 8)S / tp / dp, where S is the largest
+    pipeline stage's parameters: its layers and the embedding (first stage) or the output layer
+    (last; a copy of the embedding when tied); S = P when pp = 1.
 - Activations of a training role: one micro-batch of T = rows x S tokens, S the context
   (model.max_position_embeddings), rows = train.micro_batch_size (or the DP rank's minibatch),
   fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
   backward, per token: b * (2H + 6Q + 3KV + 4I) + 8H bytes (Q = heads * head_dim: the norms'
   outputs, q/k/v before and after RoPE, the repeated k/v and the attention output, SwiGLU's four
   I-wide tensors; the RMSNorms' fp32 inputs). Q, KV and I are split by tp; a pipeline stage holds
-  layers / pp layers for up to pp micro-batches in flight. train.recompute keeps only each
-  layer's input (bH per token) plus one layer's activations.
+  layers / pp layers for up to pp micro-batches in flight (1F1B). train.recompute keeps only
+  each layer's input (bH per token, for the pp micro-batches in flight) plus one layer's
+  activations.
 - Logits: rows x R x V / tp (R = rollout.max_new_tokens: the torch engines compute logits for
-  response positions only) in b, their gradient in b, and for one chunk of at most 16M elements
-  the fp32 log-softmax, its exp and its gradient (recomputed in the backward); megatron computes fp32 logits for all S positions and keeps three vocab-wide
-  fp32 tensors of them. Forward-only roles (reference) keep the logits and one layer's
+  response positions only) in b, their gradient in b, and for one chunk of 16M elements (at
+  least one position: rows x V) the fp32 log-softmax, its exp and its gradient (recomputed in the backward); megatron computes
+  fp32 logits for all S positions (and their gradient) and keeps three vocab-wide fp32 tensors
+  of the response positions'. Forward-only roles (reference) keep the logits and one layer's
   activations of a micro-batch.
-- reference: weights b*P / shards (/ dp with fsdp or ZeRO-3).
+- reference: weights bS / tp (/ dp with fsdp or ZeRO-3, plus the units gathered for compute).
 - actor_infer: weights b*P / (tp*pp) plus the KV cache of one rollout batch held at once:
   2 (K and V) * ceil(layers/pp) * ceil(kv_heads/tp) * head_dim * b * seqs * seq_len, where
   seqs = ceil(train.prompts_per_step * algorithm.group_size / dp) (the sequences of a step that one
@@ -60,7 +65,6 @@ from hpcrl.placement.errors import PlacementError
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TRAIN_BYTES_PER_PARAM = 16
 DEFAULT_VOCAB = 256
 TRAINING_ROLES = ("actor_train", "critic")
 GENERATION_ROLES = ("actor_infer",)
@@ -213,38 +217,53 @@ def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
     return b * (2 * h + (6 * q + 3 * kv + 4 * i) / tp) + 8 * h
 
 
+def stage_parameters(shape: ModelShape, params: int, pp: int, head: str = "lm") -> int:
+    """Parameters of the largest pipeline stage: its share of the layers, and the embedding (first
+    stage) or the output layer (last stage; with tied embeddings a copy of the embedding)."""
+    if pp == 1:
+        return params
+    end = shape.vocab_size * shape.hidden_size if head == "lm" else shape.hidden_size + 1
+    return math.ceil(shape.num_layers / pp) * layer_parameters(shape) + max(end, shape.vocab_size * shape.hidden_size)
+
+
+def _gathered_units(shape: ModelShape, b: int) -> int:
+    """What FSDP2 / ZeRO-3 hold unsharded for compute: two decoder layers and the embedding and head."""
+    root = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return (2 * layer_parameters(shape) + root) * b
+
+
 def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, shape: ModelShape
                  ) -> list[tuple[str, int]]:
     """Weights, gradients, master weights and optimizer state in the engine's layout."""
     b = DTYPE_BYTES[job.model.dtype]
-    shards, dp = parallel.tp * parallel.pp, parallel.dp
+    tp, dp = parallel.tp, parallel.dp
     engine = job.engine(role)
     trainable = role in TRAINING_ROLES
     sharded = job.zero_stage(role) >= 3 and dp > 1
+    stage = stage_parameters(shape, params, parallel.pp, "value" if role == "critic" else "lm")
+    gathered = [("gathered units", _gathered_units(shape, b))] if sharded else []
     if not trainable:
-        return [("weights", math.ceil(params * b / shards / (dp if sharded else 1)))]
+        return [("weights", math.ceil(stage * b / tp / (dp if sharded else 1)))] + gathered
     if engine == "megatron":
         master = 4 if b < 4 else 0
-        return [("weights", math.ceil(params * b / shards)), ("grads", math.ceil(params * 4 / shards)),
-                ("master+Adam", math.ceil(params * (master + 8) / shards / dp))]
-    if engine == "deepspeed":
+        return [("weights", math.ceil(stage * b / tp)), ("grads", math.ceil(stage * 4 / tp)),
+                ("master+Adam", math.ceil(stage * (master + 8) / tp / dp))]
+    if engine == "deepspeed":   # ZeRO keeps an fp32 master partition whatever the dtype
         zero = job.zero_stage(role)
         return [("weights", math.ceil(params * b / (dp if zero >= 3 else 1))),
                 ("grads", math.ceil(params * b / (dp if zero >= 2 else 1))),
-                ("master+Adam", math.ceil(params * (TRAIN_BYTES_PER_PARAM - 2 * b) / (dp if zero >= 1 else 1)))]
+                ("master+Adam", math.ceil(params * 12 / (dp if zero >= 1 else 1))),
+                ("step transients", math.ceil(params * 8 / (dp if zero >= 1 else 1)))] + gathered
     # torch: fp32 master weights are the parameters; FSDP2 shards all of it over dp
     share = dp if sharded else 1
     parts = [("weights", math.ceil(params * 4 / share)), ("grads", math.ceil(params * 4 / share)),
              ("Adam", math.ceil(params * 8 / share)), ("step transients", math.ceil(params * 8 / share))]
-    if sharded:
-        root = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-        parts.append(("gathered units", (2 * layer_parameters(shape) + root) * b))
-    else:
+    if not sharded:
         if dp > 1:
             parts.append(("DDP buckets", params * 4))
         if b < 4:
             parts.append(("autocast copies", params * b))
-    return parts
+    return parts + gathered
 
 
 def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Parallel) -> list[tuple[str, int]]:
@@ -259,15 +278,15 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
     megatron = job.engine(role) == "megatron"
     if role not in TRAINING_ROLES:
         activations = per_token * tokens
-    elif job.train.recompute:
-        activations = tokens * (layers * b * shape.hidden_size + per_token)
+    elif job.train.recompute:   # each layer's input, for the pp micro-batches in flight, and one layer's
+        activations = tokens * (layers * b * shape.hidden_size * parallel.pp + per_token)
     else:
         activations = tokens * layers * per_token * parallel.pp   # 1F1B: pp micro-batches in flight on stage 0
-    if megatron:
-        logits = rows * context * vocab * 4 * 3
+    response = rows * (job.rollout.max_new_tokens + 1) * vocab
+    if megatron:   # fp32 logits of every position and their gradient; three fp32 tensors of the responses'
+        logits = rows * context * vocab * 4 * (2 if role in TRAINING_ROLES else 1) + response * 4 * 3
     else:
-        response = rows * (job.rollout.max_new_tokens + 1) * vocab
-        chunk = min(response, LOGSOFTMAX_CHUNK_ELEMENTS)
+        chunk = min(response, max(LOGSOFTMAX_CHUNK_ELEMENTS, rows * vocab))   # at least one position
         if role in TRAINING_ROLES:   # logits and their gradient; the chunk's log-softmax, exp and gradient
             logits = response * 2 * b + chunk * 3 * 4
         else:

@@ -24,7 +24,7 @@ from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.megatron.cpu_shim import on_cpu_shim
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
-from hpcrl.engines.megatron.model import build_gpt_model
+from hpcrl.engines.megatron.model import build_gpt_model, load_gpt_weights
 from hpcrl.engines.megatron.offload import release, restore
 from hpcrl.engines.megatron.packing import causal_mask, equal_micro_batches, pack
 from hpcrl.engines.micro_batches import micro_batching
@@ -41,8 +41,8 @@ class MegatronTrainer:
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int,
                  groups: Mapping[str, dist.ProcessGroup | None], device: str | torch.device = "cpu",
                  trainable: bool = True):
-        """Each rank reads its own slices of `files` (model.build_gpt_model); `device` is the
-        current CUDA device's (Megatron allocates on it)."""
+        """Each rank reads its own slices of `files` (model.load_gpt_weights, once megatron's DDP
+        has laid out its buffers); `device` is the current CUDA device's (Megatron allocates on it)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -66,11 +66,13 @@ class MegatronTrainer:
         self.optimizer = None
         self._offloaded: list = []
         if not trainable:
+            load_gpt_weights(self.gpt, files, self.pgc)
             self.model.requires_grad_(False)
             self.model.eval()
             return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.model = DistributedDataParallel(self.config, ddp_config, self.model, pg_collection=self.pgc)
+        load_gpt_weights(self.gpt, files, self.pgc)   # into DDP's buffer, before the optimizer copies fp32 masters
         dtype = self.config.params_dtype
         train = job.train
         with default_group_is(self.pgc.intra_dist_opt):  # all ranks of the role
@@ -123,10 +125,11 @@ class MegatronTrainer:
     def _response_logprobs(self, mb: dict[str, torch.Tensor], logits: torch.Tensor,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[n, R] log-probabilities (and entropy) of the response tokens under softmax(logits / T)."""
-        logp, entropy = vocab_parallel_logprobs(logits / self.job.rollout.temperature, mb["targets"], self.pgc.tp,
-                                                with_entropy)
-        pick = partial(torch.gather, dim=1, index=mb["index"])
-        return pick(logp), (pick(entropy) if entropy is not None else None)
+        # the response positions first: the fp32 vocabulary math then covers R positions, not L
+        index = mb["index"]
+        logits = torch.gather(logits, 1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        return vocab_parallel_logprobs(logits / self.job.rollout.temperature, torch.gather(mb["targets"], 1, index),
+                                       self.pgc.tp, with_entropy)
 
     @property
     def _last_stage(self) -> bool:

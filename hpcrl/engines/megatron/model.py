@@ -1,4 +1,4 @@
-"""Build this rank's Megatron-core GPTModel stage from HF files: each rank reads only its slices."""
+"""This rank's Megatron-core GPTModel stage, and its weights from HF files: each rank reads only its slices."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -12,13 +12,14 @@ from hpcrl.engines.resharding import GPTShape, read_stage_tensor, tp_dim
 
 def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recompute: bool = False
                     ) -> torch.nn.Module:
-    """The GPTModel stage of this rank (TP shard of PP stage, sizes from the groups in `pgc`),
-    holding the weights of `files`, read tensor by tensor as this rank's slices only.
+    """The GPTModel stage of this rank (TP shard of PP stage, sizes from the groups in `pgc`), its
+    parameters allocated but not initialised: `load_gpt_weights` fills them from the files.
 
     Uses megatron-core's local layer spec (no Transformer Engine or Apex needed). Parameters are
-    allocated on the CPU without initialisation (they are overwritten by the files), filled, then
-    moved to the current device; bf16/fp16 models are wrapped in Float16Module, as Megatron-LM
-    does, so logits come out in float32.
+    allocated on the CPU (untouched, they take no memory there yet), then moved to the current
+    device; bf16/fp16 models are wrapped in Float16Module, as Megatron-LM does, so logits come out
+    in float32. Loading comes after megatron's DDP has moved the parameters into its contiguous
+    buffer: loaded before, the rank would hold its weights twice while DDP copies them.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -32,19 +33,25 @@ def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recom
     hf_config = files.config()
     parallel = {kind: getattr(pgc, kind).size() for kind in ("tp", "pp", "cp", "ep")}
     config = TransformerConfig(**transformer_config_kwargs(hf_config, parallel, dtype, recompute))
-    tp_rank, pp_rank, pp, tp = pgc.tp.rank(), pgc.pp.rank(), pgc.pp.size(), pgc.tp.size()
+    tp_rank, pp_rank, pp = pgc.tp.rank(), pgc.pp.rank(), pgc.pp.size()
     model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), pre_process=pp_rank == 0,
                      post_process=pp_rank == pp - 1, pg_collection=pgc, **gpt_model_kwargs(hf_config))
-    shape = GPTShape.from_hf(hf_config)
-    sizes = {"vocab": hf_config.vocab_size, "ffn": hf_config.intermediate_size}
     _mark_tensor_parallel(model)
-    names = [name for name, _ in model.named_parameters()]
-    load_stage(model, ((name, read_stage_tensor(files, name, shape, sizes, tp, tp_rank, pp, pp_rank, dtype))
-                       for name in names))
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     model.to(device)
     return Float16Module(config, model) if config.bf16 or config.fp16 else model
+
+
+def load_gpt_weights(gpt: torch.nn.Module, files: ModelFiles, pgc) -> None:
+    """Fill this rank's GPTModel stage from `files`, reading only its slices, tensor by tensor."""
+    hf_config = files.config()
+    shape = GPTShape.from_hf(hf_config)
+    sizes = {"vocab": hf_config.vocab_size, "ffn": hf_config.intermediate_size}
+    tp_rank, pp_rank, pp, tp = pgc.tp.rank(), pgc.pp.rank(), pgc.pp.size(), pgc.tp.size()
+    dtype = next(gpt.parameters()).dtype
+    load_stage(gpt, ((name, read_stage_tensor(files, name, shape, sizes, tp, tp_rank, pp, pp_rank, dtype))
+                     for name, _ in gpt.named_parameters()))
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:
