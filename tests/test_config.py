@@ -82,7 +82,7 @@ def test_zero_stage_belongs_to_the_data_parallel_deepspeed_engine(tmp_path):
     message = error_of(path, ["roles.actor_train.zero_stage=3"])
     assert "roles.actor_train.zero_stage: only the deepspeed engine shards with ZeRO" in message
     message = error_of(path, ["roles.actor_train.engine=deepspeed", "roles.actor_train.parallel.tp=2"])
-    assert "roles.actor_train.parallel: the deepspeed engine is data parallel only" in message
+    assert "roles.actor_train.parallel.tp: tp = 2, but the deepspeed engine is data parallel only" in message
     assert "roles.actor_train.zero_stage" in error_of(path, ["roles.actor_train.engine=deepspeed",
                                                              "roles.actor_train.zero_stage=4"])
     job = load_job(path, ["roles.actor_train.engine=deepspeed"])

@@ -45,10 +45,10 @@ def test_llama_has_no_qkv_bias_and_ties_embeddings_when_hf_does():
 
 
 @pytest.mark.parametrize("change, parallel, message", [
-    ({}, {"cp": 2}, "cp > 1 needs Transformer Engine"),
+    ({}, {"cp": 2}, "context parallelism needs Transformer Engine"),
     ({}, {"ep": 2}, "expert parallelism needs a mixture-of-experts"),
-    ({}, {"tp": 4}, "num_kv_heads=2 is not divisible by tp=4"),
-    ({"vocab_size": 33}, {"tp": 2}, "vocab_size=33 is not divisible by tp=2"),
+    ({}, {"tp": 4}, r"2 KV heads \(model.num_kv_heads\) do not split over tp = 4"),
+    ({"vocab_size": 33}, {"tp": 2}, "model.vocab_size: 33 does not split evenly"),
     ({"hidden_act": "gelu"}, {}, "only SwiGLU"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, {}, "rope_type='yarn'"),
 ])

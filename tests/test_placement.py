@@ -112,18 +112,19 @@ def test_groups_match_real_megatron_core():
 
 # ---------------------------------------------------------------- jobs and profiles
 
-def job_dict(**roles) -> dict:
+def job_dict(model: dict | None = None, **roles) -> dict:
     """A tiny job whose roles are given as raw mappings (24 x 8 samples a step: any dp up to 4 splits them)."""
-    return {"name": "t", "task": {"name": "addition"}, "train": {"prompts_per_step": 24}, "roles": roles}
+    return {"name": "t", "task": {"name": "addition"}, "train": {"prompts_per_step": 24}, "roles": roles,
+            **({"model": model} if model else {})}
 
 
-def job(**roles) -> JobConfig:
-    return validate(JobConfig, job_dict(**roles), "test")
+def job(model: dict | None = None, **roles) -> JobConfig:
+    return validate(JobConfig, job_dict(model, **roles), "test")
 
 
-def cluster(nodes=1, devices=4, memory=80.0) -> ClusterProfile:
+def cluster(nodes=1, devices=4, memory=80.0, device="cpu") -> ClusterProfile:
     return validate(ClusterProfile, {"name": "c", "scheduler": "local", "nodes": nodes, "devices_per_node": devices,
-                                     "device": "cpu", "device_memory_gb": memory}, "test")
+                                     "device": device, "device_memory_gb": memory}, "test")
 
 
 def big(overrides: list[str] | None = None) -> Plan:
@@ -236,8 +237,9 @@ def test_explicit_nodes_time_share_with_offload():
 
 
 def test_explicit_nodes_and_default_fill_skip_partial_tp_groups():
-    plan = compile_plan(job(actor_train={"parallel": {"dp": 3}}, actor_infer={"parallel": {"tp": 2, "dp": 2}},
-                            reward={"placement": {"nodes": "2"}, "parallel": {"dp": 4}}), cluster(nodes=3))
+    plan = compile_plan(job(actor_train={"parallel": {"dp": 3}},
+                            actor_infer={"engine": "vllm", "parallel": {"tp": 2, "dp": 2}},
+                            reward={"placement": {"nodes": "2"}, "parallel": {"dp": 4}}), cluster(nodes=3, device="cuda"))
     assert plan.roles["reward"].slots == (8, 9, 10, 11)  # explicit roles are placed first
     assert plan.roles["actor_train"].slots == (0, 1, 2)
     assert plan.roles["actor_infer"].slots == (4, 5, 6, 7)  # slot 3 cannot hold a TP group of 2
@@ -304,15 +306,17 @@ def test_rejects_colocated_world_size_mismatch():
 
 def test_rejects_tp_larger_than_a_node():
     message = rejects("roles.actor_infer.parallel: tp = 8 but a node of cluster c has 4 devices",
-                      job(actor_train={}, actor_infer={"parallel": {"tp": 8}}), cluster(nodes=2))
+                      job({"num_heads": 8}, actor_train={}, actor_infer={"engine": "vllm", "parallel": {"tp": 8}}),
+                      cluster(nodes=2, device="cuda"))
     assert "cross nodes" in message
 
 
 def test_rejects_tp_group_crossing_nodes():
-    # actor_train fills slots 0-2, actor_infer gets 3 and 4 (tp 1: fine); critic (tp 2) on those crosses nodes
-    message = rejects("roles.critic.parallel: the TP group on slots [3, 4] crosses nodes 0, 1",
+    # actor_train fills slots 0-2, actor_infer gets 3 and 4 (tp 1: fine); reference (tp 2) on those crosses nodes
+    message = rejects("roles.reference.parallel: the TP group on slots [3, 4] crosses nodes 0, 1",
                       job(actor_train={"parallel": {"dp": 3}}, actor_infer={"parallel": {"dp": 2}},
-                          critic={"parallel": {"tp": 2}, "colocate_with": "actor_infer"}), cluster(nodes=2))
+                          reference={"engine": "megatron", "parallel": {"tp": 2}, "colocate_with": "actor_infer"}),
+                      cluster(nodes=2))
     assert "inside one node" in message
 
 
@@ -335,13 +339,13 @@ def test_rejects_a_step_that_does_not_split_over_the_trainer_replicas():
 
 
 def test_rejects_two_roles_active_on_one_slot_in_a_stage():
-    # actor_infer (rollout) on node 1; actor_train (train) on node 0; critic (rollout) on nodes 0-1 starts
+    # actor_infer (rollout) on node 1; actor_train (train) on node 0; reference (rollout) on nodes 0-1 starts
     # at slot 0 (actor_train is not active in rollout) and so runs into actor_infer's slots in rollout.
-    rejects("roles.critic.placement: critic and actor_infer are both active in stage rollout on slot 4 "
+    rejects("roles.reference.placement: reference and actor_infer are both active in stage rollout on slot 4 "
             "(node 1, device 0) but are not colocated",
             job(actor_train={"parallel": {"dp": 4}, "placement": {"nodes": "0"}, "stages": ["train"]},
                 actor_infer={"parallel": {"dp": 4}, "placement": {"nodes": "1"}},
-                critic={"parallel": {"dp": 8}, "placement": {"nodes": "0-1"}, "stages": ["rollout"]}),
+                reference={"parallel": {"dp": 8}, "placement": {"nodes": "0-1"}, "stages": ["rollout"]}),
             cluster(nodes=2))
 
 
@@ -355,9 +359,39 @@ def test_rejects_more_slots_than_the_cluster_has():
     assert "more slots than the cluster has" in message
 
 
-def test_rejects_ep_not_dividing_dp():
-    rejects("roles.actor_train.parallel: ep = 4 does not divide dp = 2",
-            job(actor_train={"parallel": {"dp": 2, "ep": 4}}, actor_infer={}), cluster())
+SEVEN_B = "jobs/qwen2.5-7b-grpo.yaml", "clusters/example-4x8-h100.yaml"
+TINY = "jobs/tiny_grpo.yaml", "clusters/local.yaml"
+REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (job, cluster), --set, the key named
+    (SEVEN_B, ["roles.actor_train.parallel.cp=2"], "roles.actor_train.parallel.cp: cp = 2, but context parallelism"),
+    (SEVEN_B, ["roles.actor_train.parallel.ep=2"], "roles.actor_train.parallel.ep: ep = 2, but expert parallelism"),
+    (SEVEN_B, ["roles.actor_train.parallel.tp=8", "roles.actor_train.parallel.dp=1"],
+     "roles.actor_train.parallel.tp: 4 KV heads (model.num_kv_heads) do not split over tp = 8"),
+    (SEVEN_B, ["model.num_heads=14", "model.num_kv_heads=2"],
+     "roles.actor_train.parallel.tp: 14 attention heads (model.num_heads) do not split over tp = 4"),
+    (SEVEN_B, ["model.vocab_size=152063"], "model.vocab_size: 152063 does not split evenly over roles.actor_train"),
+    (SEVEN_B, ["model.num_layers=27"], "model.num_layers: 27 layers do not split evenly into roles.actor_train"),
+    (SEVEN_B, ["train.minibatches=3"], "do not split into roles.actor_train.parallel.dp = 2 replicas x "
+                                       "train.minibatches = 3"),
+    (SEVEN_B, ["roles.actor_infer.parallel.pp=2", "roles.actor_infer.parallel.dp=4"],
+     "roles.actor_infer.parallel.pp: pp = 2, but hpcrl runs vLLM with tensor parallelism only"),
+    (TINY, ["roles.actor_infer.parallel.tp=2", "roles.actor_infer.parallel.dp=1"],
+     "roles.actor_infer.parallel.tp: tp = 2, but the native sampler runs one whole copy"),
+    (TINY, ["roles.actor_train.parallel.tp=2"], "roles.actor_train.parallel.tp: tp = 2, but the torch engine is "
+                                                "data parallel only"),
+    (TINY, ["roles.critic={}"], "roles.critic: PPO with a value model is not implemented yet"),
+    (TINY, ["roles.env={}"], "roles.env: multi-turn environments are not implemented yet"),
+]
+
+
+@pytest.mark.parametrize("files, overrides, message", REFUSED, ids=[m.split(":")[0] + f"[{i}]"
+                                                                   for i, (_, _, m) in enumerate(REFUSED)])
+def test_the_plan_refuses_what_an_engine_would_refuse_naming_the_key(files, overrides, message):
+    """`hpcrl plan`, as a user runs it: exit 2 and the message, before anything is submitted or started."""
+    from conftest import hpcrl
+
+    job_file, cluster_file = files
+    result = hpcrl("plan", job_file, "--cluster", cluster_file, *[x for o in overrides for x in ("--set", o)])
+    assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
 def test_rejects_memory_over_the_device():

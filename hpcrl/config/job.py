@@ -15,6 +15,7 @@ from hpcrl.config.base import (
     Schema,
     UnitInterval,
 )
+from hpcrl.engines.capabilities import parallel_refusals, role_refusals
 
 RoleName = Literal["actor_train", "actor_infer", "reference", "critic", "reward", "env"]
 StageName = Literal["rollout", "reward", "logprobs", "train"]
@@ -260,10 +261,9 @@ class JobConfig(Schema):
             if engine == "torch" and name in ("actor_train", "critic") and self.model.dtype == "float16":
                 raise ValueError(f"model.dtype: float16 training needs loss scaling, which the torch engine (roles."
                                  f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")
-            p = role.parallel
-            if engine == "deepspeed" and (p.tp, p.pp, p.cp, p.ep) != (1, 1, 1, 1):
-                raise ValueError(f"roles.{name}.parallel: the deepspeed engine is data parallel only (ZeRO shards over "
-                                 "dp); keep tp, pp, cp and ep at 1, or use engine: megatron for model parallelism")
+            refused = role_refusals(name) + parallel_refusals(name, engine, role.parallel.model_dump())
+            if refused:   # the model's sizes are checked by the plan (hpcrl.placement), from the same table
+                raise ValueError("; ".join(refused))
         return self
 
     def engine(self, role: str) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from hpcrl.config.cluster import ClusterProfile
 from hpcrl.config.job import JobConfig, Parallel
+from hpcrl.engines.capabilities import ModelDims, parallel_refusals, role_refusals
 from hpcrl.placement.errors import PlacementError
 from hpcrl.placement.memory import (DTYPE_BYTES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape, count_parameters,
                                     estimate_role_memory)
@@ -99,6 +100,17 @@ def _resolve_roles(job: JobConfig) -> dict[str, _Role]:
 GPU_ONLY_ENGINES = ("vllm",)
 
 
+def _check_capabilities(roles: dict[str, _Role], shape: ModelShape) -> None:
+    """What the engines would refuse at start-up (engines/capabilities.py, the table they check too),
+    for the resolved sizes (a colocated role inherits its target's)."""
+    dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers)
+    for role in roles.values():
+        refused = role_refusals(role.name) + parallel_refusals(role.name, role.engine, role.parallel.model_dump(),
+                                                               dims)
+        if refused:
+            raise PlacementError("; ".join(refused))
+
+
 def _check_parallel(roles: dict[str, _Role], profile: ClusterProfile) -> None:
     for role in roles.values():
         p = role.parallel
@@ -106,9 +118,6 @@ def _check_parallel(roles: dict[str, _Role], profile: ClusterProfile) -> None:
             raise PlacementError(f"roles.{role.name}.engine: {role.engine} runs on GPUs only, and cluster "
                                  f"{profile.name} has device: {profile.device}; use engine: native here "
                                  "(it runs everywhere) or a GPU cluster profile")
-        if p.dp % p.ep:
-            raise PlacementError(f"roles.{role.name}.parallel: ep = {p.ep} does not divide dp = {p.dp}; "
-                                 "expert-parallel groups split the data-parallel ranks, so dp must be a multiple of ep")
         if p.tp > profile.devices_per_node:
             raise PlacementError(f"roles.{role.name}.parallel: tp = {p.tp} but a node of cluster {profile.name} has "
                                  f"{profile.devices_per_node} devices, so a TP group would cross nodes; keep "
@@ -330,6 +339,8 @@ def _check_batches(job: JobConfig, roles: dict[str, _Role]) -> None:
 def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     """The static device map of `job` on `profile`; raises PlacementError naming the role and field."""
     roles = _resolve_roles(job)
+    shape = ModelShape.from_model(job.model)
+    _check_capabilities(roles, shape)
     _check_parallel(roles, profile)
     _check_batches(job, roles)
     per_node = profile.devices_per_node
@@ -337,7 +348,6 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     _check_tp_in_node(roles, slots, per_node)
     _check_stage_conflicts(roles, slots, per_node)
 
-    shape = ModelShape.from_model(job.model)
     memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb)
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)

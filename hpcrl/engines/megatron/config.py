@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hpcrl.engines.capabilities import ModelDims, parallel_refusals
 from hpcrl.engines.resharding import GPTShape
 
 
@@ -49,16 +50,11 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
     _check_supported(hf_config)
     shape = GPTShape.from_hf(hf_config)
     tp, pp, cp, ep = (parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
-    if cp > 1:
-        raise ValueError("cp > 1 needs Transformer Engine's attention (the local layer spec has no context "
-                         "parallelism); use tp/pp/dp")
-    if ep > 1:
-        raise ValueError(f"ep={ep}: expert parallelism needs a mixture-of-experts model; qwen2/llama are dense")
-    if shape.num_kv_heads % tp:
-        raise ValueError(f"num_kv_heads={shape.num_kv_heads} is not divisible by tp={tp}")
-    if hf_config.vocab_size % tp:
-        raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by tp={tp} (the vocab-parallel "
-                         "embedding splits it evenly)")
+    # the plan refuses these first, from the same table
+    refused = parallel_refusals("<role>", "megatron", parallel,
+                                ModelDims(shape.num_heads, shape.num_kv_heads, hf_config.vocab_size, shape.num_layers))
+    if refused:
+        raise ValueError("; ".join(refused))
     return dict(
         num_layers=shape.num_layers,
         hidden_size=hf_config.hidden_size,

@@ -1,0 +1,76 @@
+"""What each engine can run, as one table: the plan refuses from it before anything starts, and the
+engines check the same function again when they build (so the two cannot drift apart).
+
+Pure Python (no torch, no engine import): `hpcrl plan` runs it on a login node.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# The model-parallel axes each engine implements beyond data parallelism.
+MODEL_PARALLEL: dict[str, tuple[str, ...]] = {
+    "torch": (), "deepspeed": (), "megatron": ("tp", "pp"), "native": (), "vllm": ("tp",),
+}
+# Why an axis is missing, and what to use instead.
+_MISSING = {
+    ("megatron", "cp"): "context parallelism needs Transformer Engine's attention (the local layer spec hpcrl "
+                        "builds has none); use tp, pp or dp",
+    ("megatron", "ep"): "expert parallelism needs a mixture-of-experts model; qwen2 and llama are dense",
+    ("native", "tp"): "the native sampler runs one whole copy of the model per rank; use dp, or engine: vllm "
+                      "on GPUs for tensor parallelism",
+    ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",
+}
+# Roles the runtime implements; the schema names the others so that jobs can be written ahead.
+IMPLEMENTED_ROLES = ("actor_train", "actor_infer", "reference", "reward")
+_PLANNED = {"critic": "PPO with a value model is not implemented yet; GRPO, DAPO and GSPO need no critic",
+            "env": "multi-turn environments are not implemented yet; the built-in tasks and datasets are "
+                   "single-turn"}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes that parallel splits must divide."""
+
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    num_layers: int
+
+
+def role_refusals(role: str) -> list[str]:
+    """Why `role` cannot run at all (empty when it can)."""
+    if role in IMPLEMENTED_ROLES:
+        return []
+    return [f"roles.{role}: {_PLANNED.get(role, 'no implementation')}; remove the role"]
+
+
+def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims: ModelDims | None = None
+                      ) -> list[str]:
+    """Why `engine` cannot run `role` with these parallel sizes on a model of `dims` (each message
+    names the key and the fix; empty when it can). Without `dims` only the axes are checked."""
+    sizes = {axis: int(parallel.get(axis, 1)) for axis in ("tp", "pp", "cp", "ep")}
+    out = []
+    for axis, size in sizes.items():
+        if size > 1 and axis not in MODEL_PARALLEL[engine]:
+            reason = _MISSING.get((engine, axis), f"the {engine} engine is data parallel only")
+            out.append(f"roles.{role}.parallel.{axis}: {axis} = {size}, but {reason}")
+    if dims is None:
+        return out
+    tp, pp = sizes["tp"], sizes["pp"]
+    if tp > 1 and engine in ("megatron", "vllm"):
+        if dims.num_heads % tp:
+            out.append(f"roles.{role}.parallel.tp: {dims.num_heads} attention heads (model.num_heads) do not split "
+                       f"over tp = {tp}; use a tp that divides {dims.num_heads}")
+        kv_ok = dims.num_kv_heads % tp == 0 or (engine == "vllm" and tp % dims.num_kv_heads == 0)
+        if not kv_ok:
+            replicate = " (vLLM replicates them when tp is a multiple)" if engine == "vllm" else ""
+            out.append(f"roles.{role}.parallel.tp: {dims.num_kv_heads} KV heads (model.num_kv_heads) do not split "
+                       f"over tp = {tp}{replicate}; use a tp that divides {dims.num_kv_heads}")
+    if tp > 1 and engine == "megatron" and dims.vocab_size % tp:
+        out.append(f"model.vocab_size: {dims.vocab_size} does not split evenly over roles.{role}.parallel.tp = {tp} "
+                   "(Megatron's vocab-parallel embedding); pad the vocabulary to a multiple of tp")
+    if pp > 1 and engine == "megatron" and dims.num_layers % pp:
+        out.append(f"model.num_layers: {dims.num_layers} layers do not split evenly into roles.{role}.parallel.pp = "
+                   f"{pp} pipeline stages; use a pp that divides {dims.num_layers}")
+    return out
