@@ -28,8 +28,8 @@ shards = tp*pp.
     pipeline stage's parameters: its layers and the embedding (first stage) or the output layer
     (last; a copy of the embedding when tied); S = P when pp = 1.
 - Activations of a training role: one micro-batch of T = rows x S tokens, S the context
-  (model.max_position_embeddings), rows = train.micro_batch_size (or the DP rank's minibatch),
-  fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
+  (model.max_position_embeddings), rows = train.micro_batch_size (or the DP rank's minibatch;
+  for a forward-only role its whole share of the step), fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
   backward, per token: b * (2H + 6Q + 3KV + 4I) + 8H bytes (Q = heads * head_dim: the norms'
   outputs, q/k/v before and after RoPE, the repeated k/v and the attention output, SwiGLU's four
   I-wide tensors; the RMSNorms' fp32 inputs). Q, KV and I are split by tp; a pipeline stage holds
@@ -199,10 +199,12 @@ def layer_parameters(shape: ModelShape) -> int:
         // max(1, shape.num_layers)
 
 
-def micro_batch_rows(job: JobConfig, parallel: Parallel, context: int) -> int:
-    """Samples per micro-batch on one DP rank (see the module doc)."""
+def micro_batch_rows(job: JobConfig, parallel: Parallel, context: int, training: bool = True) -> int:
+    """Samples per micro-batch on one DP rank (see the module doc): a training step cuts each
+    minibatch, a log-prob pass the rank's whole share of the step."""
     train = job.train
-    rows = math.ceil(job.train.prompts_per_step * job.algorithm.group_size / (parallel.dp * train.minibatches))
+    rows = math.ceil(job.train.prompts_per_step * job.algorithm.group_size
+                     / (parallel.dp * (train.minibatches if training else 1)))
     if train.micro_batch_size is not None:
         rows = min(rows, train.micro_batch_size)
     if train.max_tokens_per_micro_batch is not None:
@@ -270,7 +272,7 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
     """Activations and logits of one micro-batch (training roles: kept for the backward)."""
     b = DTYPE_BYTES[job.model.dtype]
     context = shape.max_position_embeddings
-    rows = micro_batch_rows(job, parallel, context)
+    rows = micro_batch_rows(job, parallel, context, training=role in TRAINING_ROLES)
     tokens = rows * context
     per_token = _activation_per_token(shape, b, parallel.tp)
     layers = math.ceil(shape.num_layers / parallel.pp)
