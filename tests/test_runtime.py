@@ -121,8 +121,10 @@ def test_a_round_longer_than_the_sync_timeout_does_not_stall_the_sync_or_the_tra
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
-    # the last step's batch was generated during step 4 (staleness 1): step 5 runs no round of its own
-    assert all(m["time_rollout_s"] > 1.5 for m in metrics[:-1]), "each round (3 tokens x 0.6 s) outlasts the 1 s timeout"
+    # A round's time is counted in the step during which it finishes, which depends on how the two
+    # sides overlap; over the run, every round of every batch has finished and been counted.
+    rounds = sum(m["rollout_rounds"] for m in metrics)
+    assert sum(m["time_rollout_s"] for m in metrics) / rounds > 1.5, "each round (3 tokens x 0.6 s) outlasts the 1 s timeout"
     assert max(m["staleness_max"] for m in metrics) == 1, "rollout generated while the trainer trained"
     for m in metrics[1:-1]:  # step 1 waits for the first batch; after step 5 there is no round to overlap
         assert m["time_sync_s"] < 0.5 and m["time_stage_s"] < 0.5, "neither side of the sync waited for the other"
