@@ -162,7 +162,7 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
 
     from hpcrl.engines.megatron.engine import MegatronTrainer
     from hpcrl.engines.model_files import load_full
-    from hpcrl.engines.megatron.offload import release, restore
+    from hpcrl.engines.offload import model_state_tensors
     from hpcrl.engines.torch_trainer import TorchTrainer
 
     sizes = {k: parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep")}
@@ -217,11 +217,13 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
         found["weights_changed"] = max(float((after[n] - before[n]).abs().max()) for n in after)
 
     if name == "dp2":
-        tensors = engine._device_tensors()
+        tensors = model_state_tensors(engine.model.parameters())
+        for opt in engine._optimizers():
+            tensors += model_state_tensors((), opt.optimizer)
         snapshot = [t.clone() for t in tensors]
-        saved = release(tensors)
+        engine.offload()
         found["offload_freed"] = all(t.untyped_storage().nbytes() == 0 for t in tensors)
-        restore(saved)
+        engine.reload()
         found["reload_bitwise"] = all(torch.equal(a, b) for a, b in zip(tensors, snapshot))
     dist.barrier(group=engine.pgc.intra_dist_opt)
     return found

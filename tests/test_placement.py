@@ -151,10 +151,16 @@ def test_tiny_job_plan():
 
     stages = plan.to_json()["stages"]
     assert list(stages) == ["rollout", "reward", "logprobs", "train"]
-    assert stages["rollout"] == {"active": {"actor_infer": [2]}, "offload": []}
-    assert stages["reward"] == {"active": {}, "offload": []}
-    assert stages["logprobs"] == {"active": {"actor_train": [0, 1], "reference": [0, 1]}, "offload": []}
-    assert stages["train"] == {"active": {"actor_train": [0, 1]}, "offload": ["reference"]}
+    everyone = ["actor_train", "actor_infer", "reference"]
+    stage = {"overlaps": [], "moves": True, "follows": []}
+    assert stages["rollout"] == {**stage, "active": {"actor_infer": [2]}, "resident": everyone, "offload": []}
+    # scoring runs on the controller: the devices keep what rollout left on them
+    assert stages["reward"] == {**stage, "active": {}, "resident": everyone, "offload": [], "moves": False,
+                                "follows": ["rollout"]}
+    assert stages["logprobs"] == {**stage, "active": {"actor_train": [0, 1], "reference": [0, 1]},
+                                  "resident": everyone, "offload": []}
+    assert stages["train"] == {**stage, "active": {"actor_train": [0, 1]}, "resident": ["actor_train", "actor_infer"],
+                               "offload": ["reference"]}
     assert train.memory_gb["train"] > 0 and ref.memory_gb["train"] == 0 and ref.memory_gb["logprobs"] > 0
     assert infer.memory_gb["train"] == infer.memory_gb["rollout"] > 0  # alone on its slot: stays resident
 
@@ -169,7 +175,7 @@ def test_json_shape():
     assert set(role["groups"]) == {"tp", "pp", "cp", "ep", "dp"}
     assert set(role["memory_gb"]) == {"rollout", "reward", "logprobs", "train"}
     assert role["nodes"] == [0] and role["parallel"]["dp"] == 2
-    assert set(data["stages"]["train"]) == {"active", "offload"}
+    assert set(data["stages"]["train"]) == {"active", "resident", "offload", "overlaps", "moves", "follows"}
 
 
 def test_qwen_7b_example_plan():
@@ -225,15 +231,52 @@ def test_qwen_7b_parameter_count_and_hf_config(tmp_path):
     assert count_parameters(tiny, head="value") == count_parameters(tiny) + 65
 
 
+SHARED_NODES = ["roles.actor_train.placement.nodes=0-1", "roles.actor_infer.placement.nodes=0-1",
+                "roles.actor_infer.parallel.dp=8"]
+
+
 def test_explicit_nodes_time_share_with_offload():
-    plan = big(["roles.actor_train.placement.nodes=0-1", "roles.actor_infer.placement.nodes=0-1",
-                "roles.actor_infer.parallel.dp=8"])
+    plan = big([*SHARED_NODES, "rollout.max_staleness=0"])
     assert plan.world_size == 17
     assert plan.roles["actor_infer"].slots == plan.roles["actor_train"].slots == tuple(range(16))
     assert plan.stages["rollout"].offload == ("actor_train", "reference")
     assert plan.stages["logprobs"].offload == ("actor_infer",)
     assert plan.stages["train"].offload == ("actor_infer", "reference")
     assert plan.roles["actor_infer"].memory_gb["train"] == 0
+    assert plan.residency == {"rollout": ("actor_infer",), "logprobs": ("actor_train", "reference"),
+                              "train": ("actor_train",)}
+    assert plan.stages["reward"].follows == ("rollout",) and plan.stages["reward"].resident == ("actor_infer",)
+
+
+def test_async_rollout_beside_training_stays_resident_and_the_memory_check_adds_it_up():
+    """With max_staleness >= 1 rollout generates while the trainer computes log-probs and trains: on
+    shared devices nothing of either may leave, so the stages' memory adds up; only the reference
+    leaves during train. Over the device, the plan says why and what to change."""
+    plan = big(SHARED_NODES)
+    rollout, logprobs, train = (plan.stages[s] for s in ("rollout", "logprobs", "train"))
+    assert not rollout.moves and rollout.overlaps == ("logprobs", "train") and rollout.offload == ()
+    assert logprobs.overlaps == train.overlaps == ("rollout", "reward")
+    assert logprobs.offload == () and train.offload == ("reference",)
+    assert plan.residency == {"logprobs": ("actor_train", "actor_infer", "reference"),
+                              "train": ("actor_train", "actor_infer")}
+    roles = plan.roles
+    both = (roles["actor_train"].memory.total + roles["actor_infer"].memory.total + roles["reference"].memory.total)
+    assert max(logprobs.slot_memory_gb.values()) == pytest.approx(both / 2**30)
+    assert rollout.slot_memory_gb == logprobs.slot_memory_gb, "rollout's peak is the larger overlapping stage's"
+    assert roles["reference"].memory_gb["rollout"] > 0 and roles["reference"].memory_gb["train"] == 0
+    text = format_plan(plan)
+    assert "stage rollout (alongside logprobs or train: rollout.max_staleness >= 1)" in text
+    assert "node 0  at+AI+ref*" in text, "the reference is on the devices during logprobs only"
+    with pytest.raises(PlacementError, match=r"in stage rollout \(alongside logprobs\).*actor_infer runs "
+                       r"alongside logprobs and cannot time-share these devices.*rollout.max_staleness: 0"):
+        big([*SHARED_NODES, "rollout.gpu_memory_utilization=0.75"])
+    assert big([*SHARED_NODES, "rollout.gpu_memory_utilization=0.75", "rollout.max_staleness=0"])
+
+
+def test_a_role_that_may_not_leave_its_devices_is_counted_in_every_stage():
+    plan = big([*SHARED_NODES, "rollout.max_staleness=0", "roles.reference.offload=false"])
+    assert "reference" in plan.stages["rollout"].resident and plan.stages["train"].offload == ("actor_infer",)
+    assert plan.roles["reference"].memory_gb["rollout"] == plan.roles["reference"].memory_gb["logprobs"] > 0
 
 
 def test_explicit_nodes_and_default_fill_skip_partial_tp_groups():
@@ -250,7 +293,8 @@ def test_explicit_nodes_and_default_fill_skip_partial_tp_groups():
 def test_format_plan_tiny():
     text = format_plan(compile_plan(load_job(TINY_JOB), load_profile()))
     assert "world_size 4" in text
-    assert "stage train: active actor_train; offload at entry reference" in text
+    assert ("stage train: active actor_train; resident actor_train, actor_infer; in host memory reference; "
+            "offload at entry reference; peak") in text
     assert "node 0  AT+~ref  AT+~ref  ai" in text
     assert "node 0  AT+REF  AT+REF  ai" in text
     assert "actor_train (torch): tp1 pp1 cp1 ep1 dp2 on node 0, slots 0-1, ranks 1-2" in text
@@ -380,6 +424,9 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
                                                 "data parallel only"),
     (TINY, ["roles.critic={}"], "roles.critic: PPO with a value model is not implemented yet"),
     (TINY, ["roles.env={}"], "roles.env: multi-turn environments are not implemented yet"),
+    (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 new tokens leave no room for a prompt in the "
+                                          "model's context of 64 positions (model.max_position_embeddings)"),
+    (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, modulus, name"),
 ]
 
 

@@ -127,11 +127,25 @@ def test_dynamic_sampling_never_trains_on_a_zero_variance_group():
     assert all(len(set(g.rewards)) > 1 for g in taken)
 
 
-def test_dynamic_sampling_gives_up_with_a_clear_error():
+def test_dynamic_sampling_out_of_refills_trains_the_short_batch_split_evenly_over_the_trainer():
+    """4 groups of 2 per step over dp 2 x 2 minibatches: a short batch holds an even number of
+    groups (4 samples). After the first round and one refill 3 groups have varied rewards: the
+    step trains on 2, and says so."""
+    s = scheduler("algorithm.dynamic_sampling=true", "rollout.max_refills=1", "train.prompts_per_step=4")
+    first = finish(s, s.next_round(0), [1.0, 0.0] + [1.0] * 6)          # one group survives
+    assert not s.ready(1)
+    refill = finish(s, s.next_round(0), [0.0, 1.0, 1.0, 0.0] + [1.0] * 4)   # two more
+    assert s.ready(1) and s.next_round(0) is None, "out of refills: no third round"
+    taken, stats = s.take(1)
+    assert [g.group_id for g in taken] == [first[0].group_id, refill[0].group_id] and stats["batch_groups"] == 2
+    assert refill[1].state is SampleState.ABORTED, "an odd group would leave one replica a sample short"
+
+
+def test_dynamic_sampling_gives_up_with_a_clear_error_when_nothing_can_be_trained():
     s = scheduler("algorithm.dynamic_sampling=true", "rollout.max_refills=1")
     for _ in range(2):
         finish(s, s.next_round(0), [1.0] * 4)
-    with pytest.raises(RuntimeError, match="rollout.max_refills"):
+    with pytest.raises(RuntimeError, match="0 groups with varied rewards after 2 rounds.*rollout.max_refills"):
         s.next_round(0)
 
 

@@ -1,6 +1,7 @@
 """The MPI runtime for real: `hpcrl run` starts 1 controller + 2 DP trainer ranks + 1 rollout rank."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -14,14 +15,16 @@ FAST = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
+    # two-digit sums, in a context of 8 positions: only the single-digit ones leave room for 3 new tokens
     result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), "--set", "train.steps=3",
-                   "--set", "log.check_weights=true", *FAST, timeout=300)
+                   "--set", "log.check_weights=true", "--set", "task.digits=2", "--set", "model.max_position_embeddings=8",
+                   *FAST, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir, read_metrics(run_dir / "metrics.jsonl")
+    return run_dir, read_metrics(run_dir / "metrics.jsonl"), result.stderr
 
 
 def test_dp_ranks_hold_identical_weights_after_every_step(short_run):
-    _, metrics = short_run
+    _, metrics, _ = short_run
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert len(m["digest_actor_train"]) == 2, "actor_train runs on 2 DP ranks"
@@ -30,7 +33,7 @@ def test_dp_ranks_hold_identical_weights_after_every_step(short_run):
 
 
 def test_rollout_generates_with_the_trained_weights(short_run):
-    _, metrics = short_run
+    _, metrics, _ = short_run
     for m in metrics:
         assert m["digest_actor_infer"] == [m["digest_actor_train"][0]]
     # The behaviour log-probs of step N+1 (rollout rank) equal the trainer's for the same tokens:
@@ -38,8 +41,14 @@ def test_rollout_generates_with_the_trained_weights(short_run):
     assert all(m["rollout_logprob_gap_max"] < 1e-4 for m in metrics)
 
 
+def test_prompts_that_leave_no_room_for_a_response_are_left_out_and_counted(short_run):
+    _, _, stderr = short_run
+    assert ("hpcrl: 9900 of 10000 prompts are longer than the 8 positions of the model's context "
+            "(model.max_position_embeddings) less rollout.max_new_tokens = 3: left out") in stderr
+
+
 def test_metrics_have_the_documented_fields(short_run):
-    run_dir, metrics = short_run
+    run_dir, metrics, _ = short_run
     for key in ("step", "reward_mean", "kl", "loss", "time_rollout_s", "time_train_s", "time_sync_s",
                 "samples_per_s"):
         assert key in metrics[0], key
@@ -146,3 +155,46 @@ def test_rounds_cut_by_max_round_s_continue_their_responses_in_the_next_round(tm
     assert all(m["rollout_rounds"] >= 2 for m in metrics), "every batch took more than one round"
     assert any(m["response_len"] > 2 for m in metrics), "responses grew past what one round could give"
     assert all(m["rollout_logprob_gap_max"] < 1e-4 for m in metrics)
+
+
+def _without_times(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("time_") and k not in
+             ("samples_per_s", "rollout_idle_frac", "train_idle_frac", "stage_moves")} for m in metrics]
+
+
+def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_bit_for_bit_the_same(tmp_path):
+    """Trainer, reference and rollout on the same two CPU slots: entering each stage, the controller
+    offloads what the plan offloads there and reloads what the stage needs, in the plan's stage
+    order; the offloaded state really leaves (a separate host copy, its storage freed), and the run
+    equals the same run with every role kept resident, metric for metric."""
+    colocated = [*FAST, "--set", "train.steps=3", "--set", "checkpoint.every=2",
+                 "--set", "roles.actor_infer.colocate_with=actor_train", "--set", "roles.actor_infer.parallel.dp=2"]
+    runs = {}
+    for offload in (True, False):
+        run_dir = tmp_path / f"offload-{offload}"
+        flags = [x for role in ("actor_train", "reference", "actor_infer")
+                 for x in ("--set", f"roles.{role}.offload={str(offload).lower()}")]
+        result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *colocated, *flags, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[offload] = (json.loads((run_dir / "plan.json").read_text()), read_metrics(run_dir / "metrics.jsonl"))
+    plan, metrics = runs[True]
+    stages = plan["stages"]
+    assert stages["rollout"]["offload"] == ["actor_train", "reference"]
+    assert stages["logprobs"]["offload"] == ["actor_infer"]
+    assert stages["train"]["offload"] == ["actor_infer", "reference"]
+    resident = {"actor_train", "reference", "actor_infer"}   # every engine is built on its devices
+    for m in metrics:
+        moves = [move.split(":") for move in m["stage_moves"]]
+        order = list(dict.fromkeys(stage for stage, _, _ in moves))
+        assert order == [s for s in ("rollout", "logprobs", "train") if s in order], order
+        for stage in order:
+            for _, action, role in [move for move in moves if move[0] == stage]:
+                assert (role in resident) == (action == "offload"), (stage, action, role)
+                resident ^= {role}
+            assert resident == set(stages[stage]["resident"]), (m["step"], stage, resident)
+        assert m["time_offload_s"] > 0
+    assert [len(m["stage_moves"]) for m in metrics[1:]] == [6, 6], "3 roles leave and come back every step"
+    kept_plan, kept = runs[False]
+    assert all(not stage["offload"] for stage in kept_plan["stages"].values())
+    assert all("stage_moves" not in m for m in kept)
+    assert _without_times(metrics) == _without_times(kept)

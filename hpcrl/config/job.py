@@ -71,7 +71,6 @@ class TaskConfig(Schema):
     name: Literal["addition"] = "addition"
     digits: PositiveInt = Field(1, description="digits per operand: 1 gives 100 distinct prompts")
     modulus: PositiveInt | None = Field(None, description="answer (a+b) mod this: 10 keeps only the units digit")
-    eval_size: NonNegativeInt = 0
 
 
 class DatasetConfig(Schema):
@@ -213,6 +212,9 @@ class RoleConfig(Schema):
     stages: list[StageName] | None = None
     placement: RolePlacement | None = None
     colocate_with: RoleName | None = None
+    offload: bool = Field(True, description="in a stage where the role is idle and a role sharing its devices is "
+                                            "active, move its weights and optimizer state (vLLM: sleep) to host "
+                                            "memory; false keeps it resident, and the plan's memory check counts it")
 
 
 class Roles(Schema):

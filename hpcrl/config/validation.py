@@ -77,7 +77,7 @@ def describe_errors(schema: type[BaseModel], error: ValidationError, lines: dict
             allowed = sorted(parent.model_fields) if parent is not None else []
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            message = f"unknown key{hint} Allowed here: {', '.join(allowed)}"
+            message = f"unknown key{hint}. Allowed here: {', '.join(allowed)}"
         elif kind == "missing":
             message = "required field is missing"
         elif kind == "value_error":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from hpcrl.config.job import JobConfig
 
@@ -41,3 +42,13 @@ def load_prompts(job: JobConfig) -> list[Prompt]:
         return addition_prompts(job.task.digits, job.task.modulus)
     assert job.dataset is not None
     return file_prompts(job.dataset.path, job.dataset.prompt_key, job.dataset.answer_key)
+
+
+def fit_context(prompts: list[Prompt], encode: Callable[[str], list[int]], context: int, max_new_tokens: int
+                ) -> tuple[list[Prompt], int]:
+    """The prompts that leave room for a whole response (`max_new_tokens`) in the model's context
+    (`context` positions), and how many did not: a longer one would be cut off mid-generation, or
+    run past the positions the model was trained for."""
+    room = context - max_new_tokens
+    kept = [p for p in prompts if len(encode(p.text)) <= room]
+    return kept, len(prompts) - len(kept)

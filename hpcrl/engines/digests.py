@@ -14,7 +14,9 @@ import torch
 @torch.no_grad()
 def tensor_digests(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
     """(name, SHA-256 of the bytes) of every tensor: collect them bucket by bucket, then combine."""
-    return [(name, hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+    # of a copy: `.numpy()` of a tensor makes its storage fixed-size for good, and an engine's
+    # weights must stay resizable to be offloaded (engines/offload.py)
+    return [(name, hashlib.sha256(t.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy()).hexdigest())
             for name, t in named]
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hpcrl.engines.batch import left_pad, positions
+from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
 from hpcrl.ragged import Ragged
 
 
@@ -60,6 +61,7 @@ class NativeSampler:
         self.pad_id = pad_id
         self.step_delay_s = step_delay_s
         self._landing: dict[tuple[str, ...], torch.Tensor] = {}
+        self._asleep: Saved = []
 
     def _params(self, names) -> list[torch.nn.Parameter]:
         params = dict(self.model.named_parameters())
@@ -98,10 +100,14 @@ class NativeSampler:
         return self._landing[key]
 
     def sleep(self) -> None:
-        """The native engine keeps no cache between calls: nothing to free."""
+        """The weights to host memory (it keeps no cache between calls); the landing buffers they are
+        views of go too, and come back in place, so a sync still lands in them."""
+        if not self._asleep:
+            self._asleep = release(model_state_tensors(self.model.parameters()))
 
     def wake(self) -> None:
-        """See `sleep`."""
+        restore(self._asleep)
+        self._asleep = []
 
     @torch.no_grad()
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,

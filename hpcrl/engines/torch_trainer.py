@@ -28,6 +28,7 @@ from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.micro_batches import MicroBatching, micro_batching
 from hpcrl.engines.model_files import ModelFiles, load_full
+from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
 from hpcrl.engines.objective import combine_micro_metrics, policy_objective
 from hpcrl.ragged import Ragged
 
@@ -98,6 +99,7 @@ class TorchTrainer:
         self._autocast = not self.gathers_over_dp and master != self.compute_dtype
         self.model = model
         self.optimizer = None
+        self._offloaded: Saved = []
         if trainable:
             if job.train.recompute:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -128,19 +130,14 @@ class TorchTrainer:
             yield name, full.detach().to(self.compute_dtype)
 
     def offload(self) -> None:
-        """Nothing to do on CPU; on GPUs the weights and Adam state move to pinned host memory."""
-        self._move("cpu")
+        """Weights, gradients and optimizer state to host memory (pinned, from a GPU; a separate copy
+        on a CPU), freeing their storage; DDP's and FSDP2's flat buffers go with the views into them."""
+        if not self._offloaded:
+            self._offloaded = release(model_state_tensors(self.module.parameters(), self.optimizer))
 
     def reload(self) -> None:
-        self._move(self.device)
-
-    def _move(self, device: str | torch.device) -> None:
-        self.module.to(device)
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        state[key] = value.to(device)
+        restore(self._offloaded)
+        self._offloaded = []
 
     # ---- forward -------------------------------------------------------------------------------------------------
 

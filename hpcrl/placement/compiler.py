@@ -17,13 +17,15 @@ Then every role is checked: TP groups inside one node, no two roles outside one 
 active on one slot in the same stage, ep dividing dp, and the memory estimate within the device.
 
 Per stage, a role is offloaded at the stage change when it is inactive but shares a slot with an
-active role. Memory counts a role on a device in a stage when it is active there, or when it has its
-slots to itself (it then stays resident while idle); an inactive role sharing its slots waits in host
-memory and counts 0 (see plan.on_device).
+active role (and roles.<name>.offload allows it). Memory counts a role on a device in a stage when it
+is active there, may not move, or has its slots to itself (it then stays resident while idle); an
+inactive role sharing its slots waits in host memory and counts 0 (plan.resident_roles). In async
+mode (rollout.max_staleness >= 1) rollout runs alongside logprobs and train, so its roles are
+resident in both, and the memory check takes the peak over what overlaps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpcrl.config.cluster import ClusterProfile
 from hpcrl.config.job import JobConfig, Parallel
@@ -31,7 +33,8 @@ from hpcrl.engines.capabilities import ModelDims, parallel_refusals, role_refusa
 from hpcrl.placement.errors import PlacementError
 from hpcrl.placement.memory import (DTYPE_BYTES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape, count_parameters,
                                     estimate_role_memory)
-from hpcrl.placement.plan import STAGES, CheckpointEstimate, Plan, RolePlan, StagePlan, on_device
+from hpcrl.placement.plan import (CONSUMPTION, PRODUCTION, STAGES, CheckpointEstimate, Plan, RolePlan, StagePlan,
+                                  kept_residency, resident_roles, residency_windows)
 from hpcrl.placement.rank_groups import megatron_groups
 
 
@@ -260,48 +263,85 @@ def _check_stage_conflicts(roles: dict[str, _Role], slots: dict[str, list[int]],
                         "if they may share the devices")
 
 
-def _stage_plans(roles: dict[str, _Role], slots: dict[str, list[int]]) -> dict[str, StagePlan]:
+def _stage_plans(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[int]],
+                 memory: dict[str, MemoryEstimate]) -> dict[str, StagePlan]:
+    """Per stage: who is active, who is resident (plan.resident_roles over the stage's residency
+    window) and who goes to host memory at its entry. A role moves only when it holds device memory
+    and its roles.<name>.offload allows it. A stage that moves nothing (async rollout and reward;
+    scoring on the controller) takes the residency of the stages it follows: the union of theirs."""
+    asynchronous = job.rollout.max_staleness > 0
+    needs_room = {stage for name, role in roles.items() if memory[name].total > 0 for stage in role.stages}
+    windows = residency_windows(asynchronous, needs_room)
+    facts = {name: (tuple(slots[name]), role.stages, getattr(job.roles, name).offload and memory[name].total > 0)
+             for name, role in roles.items()}
+    resident = {stage: resident_roles(window, facts) for stage, window in windows.items()}
     stages = {}
     for stage in STAGES:
         active = {name: tuple(slots[name]) for name, role in roles.items() if stage in role.stages}
-        busy = {s for ss in active.values() for s in ss}
-        offload = tuple(name for name in roles if name not in active and busy & set(slots[name]))
-        stages[stage] = StagePlan(name=stage, active=active, offload=offload)
+        overlaps = (CONSUMPTION if stage in PRODUCTION else PRODUCTION) if asynchronous else ()
+        follows = () if stage in windows else kept_residency(stage, windows, asynchronous)
+        here = resident[stage] if stage in windows else tuple(
+            name for name in roles if any(name in resident[w] for w in follows))
+        busy = {s for name in here for s in slots[name]}
+        offload = tuple(name for name in roles if name not in here and busy & set(slots[name])) if not follows else ()
+        stages[stage] = StagePlan(name=stage, active=active, resident=here, offload=offload, overlaps=overlaps,
+                                  moves=not follows, follows=follows)
     return stages
 
 
-def _on_device(name: str, stage: StagePlan, slots: dict[str, list[int]]) -> bool:
-    return on_device(name, stage.active, slots)
+def _slot_memory(stage: StagePlan, stages: dict[str, StagePlan], slots: dict[str, list[int]],
+                 memory: dict[str, MemoryEstimate]) -> dict[int, float]:
+    """GB per used slot while `stage` runs: its residents' sum, or the peak over the stages it follows."""
+    if stage.follows:
+        kept = [_slot_memory(stages[s], stages, slots, memory) for s in stage.follows]
+        return {slot: max(k[slot] for k in kept) for slot in kept[0]}
+    per_slot: dict[int, float] = {s: 0.0 for ss in slots.values() for s in ss}
+    for name in stage.resident:
+        for slot in slots[name]:
+            per_slot[slot] += memory[name].total / GIB
+    return per_slot
 
 
-def _check_memory(stages: dict[str, StagePlan], slots: dict[str, list[int]], memory: dict[str, MemoryEstimate],
-                  roles: dict[str, _Role], profile: ClusterProfile) -> dict[str, StagePlan]:
+def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str, list[int]],
+                  memory: dict[str, MemoryEstimate], roles: dict[str, _Role], profile: ClusterProfile
+                  ) -> dict[str, StagePlan]:
     """Fill each stage's per-slot memory; reject the worst (stage, slot) when it is over the device."""
     worst = None
     filled = {}
-    for stage, plan in stages.items():
-        per_slot: dict[int, float] = {s: 0.0 for ss in slots.values() for s in ss}
-        for name, role_slots in slots.items():
-            if _on_device(name, plan, slots):
-                for slot in role_slots:
-                    per_slot[slot] += memory[name].total / GIB
-        for slot, total in sorted(per_slot.items()):
-            if worst is None or total > worst[0]:
-                worst = (total, stage, slot)
-        filled[stage] = StagePlan(name=stage, active=plan.active, offload=plan.offload, slot_memory_gb=per_slot)
+    for name, plan in stages.items():
+        per_slot = _slot_memory(plan, stages, slots, memory)
+        if plan.moves:
+            for slot, total in sorted(per_slot.items()):
+                if worst is None or total > worst[0]:
+                    worst = (total, name, slot)
+        filled[name] = replace(plan, slot_memory_gb=per_slot)
     if worst is not None and worst[0] > profile.device_memory_gb:
         total, stage, slot = worst
-        resident = [n for n, ss in slots.items() if slot in ss and _on_device(n, stages[stage], slots)]
+        here = stages[stage]
+        resident = [n for n in here.resident if slot in slots[n]]
         biggest = max(resident, key=lambda n: memory[n].total)
         parts = " + ".join(f"{n} {memory[n].describe()}" for n in resident)
         p = roles[biggest].parallel
         fix = f"raise tp or pp of {biggest} (now tp*pp = {p.tp * p.pp})"
         if memory[biggest].part("KV cache"):
             fix += ", or lower train.prompts_per_step or model.max_position_embeddings (the KV cache)"
-        if len(resident) > 1:
+        kept = [n for n in resident if n not in here.active and not getattr(job.roles, n).offload]
+        if kept:
+            fix += f", or let {', '.join(kept)} leave the device while idle (roles.<name>.offload: true)"
+        # name the stage the biggest role works in, and the stages running beside it on this slot
+        window = (stage, *here.overlaps)
+        named = next(s for s in window if s in roles[biggest].stages) if biggest not in here.active else stage
+        beside = [s for s in window if s != named and any(s in roles[n].stages for n in resident)]
+        overlapped = [n for n in resident if set(roles[n].stages) & set(here.overlaps)]
+        if beside and overlapped:
+            fix += (f"; with rollout.max_staleness {job.rollout.max_staleness} {', '.join(overlapped)} runs alongside "
+                    f"{stage} and cannot time-share these devices: give it devices of its own, or set "
+                    "rollout.max_staleness: 0 so the stages take turns")
+        elif len(resident) > 1:
             fix += ", or place the roles on separate devices"
+        where = f" (alongside {', '.join(beside)})" if beside else ""
         raise PlacementError(
-            f"roles.{biggest}.parallel: the memory estimate in stage {stage} is {total:.2f} GB on "
+            f"roles.{biggest}.parallel: the memory estimate in stage {named}{where} is {total:.2f} GB on "
             f"{_describe_slot(slot, profile.devices_per_node)}, over the device's {profile.device_memory_gb:g} GB "
             f"(device_memory_gb of cluster {profile.name}): {parts}. Fix: {fix}")
     return filled
@@ -336,11 +376,22 @@ def _check_batches(job: JobConfig, roles: dict[str, _Role]) -> None:
                 f"{job.train.prompts_per_step} x {job.algorithm.group_size} a multiple of {dp * minibatches}")
 
 
+def _check_context(job: JobConfig, shape: ModelShape) -> None:
+    """A response must fit the model's context with room for a prompt (longer prompts are left out
+    at load, with a count in the log)."""
+    if job.rollout.max_new_tokens >= shape.max_position_embeddings:
+        raise PlacementError(
+            f"rollout.max_new_tokens: {job.rollout.max_new_tokens} new tokens leave no room for a prompt in the "
+            f"model's context of {shape.max_position_embeddings} positions (model.max_position_embeddings); lower "
+            "rollout.max_new_tokens or raise model.max_position_embeddings (up to what the model supports)")
+
+
 def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     """The static device map of `job` on `profile`; raises PlacementError naming the role and field."""
     roles = _resolve_roles(job)
     shape = ModelShape.from_model(job.model)
     _check_capabilities(roles, shape)
+    _check_context(job, shape)
     _check_parallel(roles, profile)
     _check_batches(job, roles)
     per_node = profile.devices_per_node
@@ -351,7 +402,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb)
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)
-    stages = _check_memory(_stage_plans(roles, slots), slots, memory, roles, profile)
+    stages = _check_memory(job, _stage_plans(job, roles, slots, memory), slots, memory, roles, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})
     rank = {slot: 1 + index for index, slot in enumerate(used)}
@@ -368,7 +419,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
             rank_groups={kind: [[rank[s] for s in group] for group in gs] for kind, gs in groups.items()},
             stages=tuple(s for s in STAGES if s in role.stages), colocate_with=role.colocate_with,
             memory=memory[name],
-            memory_gb={stage: memory[name].total / GIB if _on_device(name, stages[stage], slots) else 0.0
+            memory_gb={stage: memory[name].total / GIB if name in stages[stage].resident else 0.0
                        for stage in STAGES})
     return Plan(world_size=1 + len(used), nodes=profile.nodes, devices_per_node=per_node, roles=role_plans,
                 stages=stages, job=job.name, cluster=profile.name, device=profile.device,

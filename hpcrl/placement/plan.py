@@ -6,6 +6,7 @@ slot is `node * devices_per_node + local_device`; the plan's used slots, sorted,
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,17 +14,42 @@ from hpcrl.placement.memory import MemoryEstimate
 from hpcrl.placement.rank_groups import GROUP_KINDS
 
 STAGES = ("rollout", "reward", "logprobs", "train")
+PRODUCTION = ("rollout", "reward")    # with rollout.max_staleness >= 1 these run alongside the two below
+CONSUMPTION = ("logprobs", "train")
 CONTROLLER_RANK = 0
 
 
-def on_device(name: str, active, slots: dict[str, "list[int] | tuple[int, ...]"]) -> bool:
-    """Whether a role occupies device memory in a stage whose active roles are `active`: when it is
-    active, or when no other role shares its slots (it then stays resident while idle). An inactive
-    role that shares slots waits in host memory."""
-    if name in active:
-        return True
-    mine = set(slots[name])
-    return not any(mine & set(other) for n, other in slots.items() if n != name)
+def residency_windows(asynchronous: bool, needs_room: Collection[str]) -> dict[str, tuple[str, ...]]:
+    """The stages at whose entry the controller moves roles between device and host memory, each
+    with the stages that run during it. Synchronously every stage runs alone, and one in which no
+    role needs device memory (`needs_room`: scoring on the controller) moves nothing. Asynchronously
+    rollout (and scoring) run all the time, alongside logprobs or train: the moves happen only at
+    the consumer's stage changes, and the production stages' roles stay resident throughout."""
+    if asynchronous:
+        return {stage: (stage, *PRODUCTION) for stage in CONSUMPTION}
+    return {stage: (stage,) for stage in STAGES if stage in needs_room}
+
+
+def kept_residency(stage: str, windows: dict[str, tuple[str, ...]], asynchronous: bool) -> tuple[str, ...]:
+    """For a stage that moves nothing, the stages whose residency it runs in: the consumer's two in
+    async mode, else the last stage before it (in pipeline order, cyclically) that moves roles."""
+    if asynchronous:
+        return tuple(windows)
+    at = STAGES.index(stage)
+    earlier = [STAGES[(at - k) % len(STAGES)] for k in range(1, len(STAGES))]
+    return next(((s,) for s in earlier if s in windows), ())
+
+
+def resident_roles(stages: tuple[str, ...], roles: dict[str, tuple[tuple[int, ...], tuple[str, ...], bool]]
+                   ) -> tuple[str, ...]:
+    """The roles on their devices while `stages` run. `roles`: name -> (slots, active stages, moves),
+    where `moves` says whether the role may leave the device (roles.<name>.offload, and state to
+    move). A role stays when it is active in one of the stages, may not move, or shares its slots
+    with no role that is active then (nothing needs the room); else it waits in host memory."""
+    active = {name for name, (_, active_in, _) in roles.items() if set(active_in) & set(stages)}
+    busy = {slot for name in active for slot in roles[name][0]}
+    return tuple(name for name, (slots, _, moves) in roles.items()
+                 if name in active or not moves or not busy & set(slots))
 
 
 @dataclass(frozen=True)
@@ -68,16 +94,25 @@ class RolePlan:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: the roles active on which slots, and the roles to offload before it."""
+    """One pipeline stage: the roles active in it, those on their devices meanwhile, and the moves at
+    its entry. `moves` is False for a stage that runs alongside others (rollout and reward in async
+    mode, or a stage in which no role needs device memory): it changes nothing at entry and runs with
+    the residency of the stages it `follows`, so `resident` and the memory are the union and the
+    peak over those."""
 
     name: str
     active: dict[str, tuple[int, ...]]
-    offload: tuple[str, ...]
+    resident: tuple[str, ...]
+    offload: tuple[str, ...]                  # moved to host memory at entry (inactive, sharing a slot)
+    overlaps: tuple[str, ...] = ()            # stages that run at the same time
+    moves: bool = True
+    follows: tuple[str, ...] = ()             # moves nothing: runs with the residency of these stages
     slot_memory_gb: dict[int, float] = field(default_factory=dict)  # used slot -> GB resident in this stage
 
     def to_json(self) -> dict[str, Any]:
         return {"active": {role: list(slots) for role, slots in self.active.items()},
-                "offload": list(self.offload)}
+                "resident": list(self.resident), "offload": list(self.offload), "overlaps": list(self.overlaps),
+                "moves": self.moves, "follows": list(self.follows)}
 
 
 @dataclass(frozen=True)
@@ -133,8 +168,13 @@ class Plan:
         return [name for name, role in self.roles.items() if slot in role.slots]
 
     def on_device(self, role: str, stage: str) -> bool:
-        """Whether `role` holds device memory during `stage` (see plan.on_device)."""
-        return on_device(role, self.stages[stage].active, {n: r.slots for n, r in self.roles.items()})
+        """Whether `role` holds device memory during `stage` (at some time, for an overlapped stage)."""
+        return role in self.stages[stage].resident
+
+    @property
+    def residency(self) -> dict[str, tuple[str, ...]]:
+        """Stage -> the roles on their devices during it, for the stages whose entry moves roles."""
+        return {name: stage.resident for name, stage in self.stages.items() if stage.moves}
 
     def roles_of_rank(self, rank: int) -> list[str]:
         """The roles a worker rank hosts (empty for the controller)."""

@@ -67,7 +67,15 @@ def format_plan(plan: Plan) -> str:
         lines.append("")
         active = ", ".join(stage.active) or "none (controller only)"
         peak = max(stage.slot_memory_gb.values(), default=0.0)
-        lines.append(f"stage {stage.name}: active {active}; offload at entry {', '.join(stage.offload) or '-'}; "
+        host = [n for n in plan.roles if n not in stage.resident]
+        joiner = " or " if stage.follows else ", "
+        alongside = f" (alongside {joiner.join(stage.overlaps)}: rollout.max_staleness >= 1)" if stage.overlaps else ""
+        if stage.moves:
+            moves = f"offload at entry {', '.join(stage.offload) or '-'}"
+        else:
+            moves = f"moves nothing at entry, resident as in {' / '.join(stage.follows)}"
+        lines.append(f"stage {stage.name}{alongside}: active {active}; resident {', '.join(stage.resident) or '-'}; "
+                     f"in host memory {', '.join(host) or '-'}; {moves}; "
                      f"peak {human_bytes(peak * GIB)} of {plan.device_memory_gb:g} GB per device")
 
         def cell(slot: int, stage=stage) -> str:
@@ -77,14 +85,16 @@ def format_plan(plan: Plan) -> str:
                 if name in stage.active:
                     codes.append(code)
                 elif plan.on_device(name, stage.name):
-                    codes.append(code.lower())
+                    part_time = any(name not in plan.stages[w].resident for w in stage.follows)
+                    codes.append(code.lower() + ("*" if part_time else ""))
                 else:
                     codes.append("~" + code.lower())
             return "+".join(codes) or "."
         lines += _grid(plan, cell)
     lines.append("")
     lines.append("legend: " + ", ".join(f"{CODES[n]} {n}" for n in present)
-                 + "; UPPER active, lower idle on the device, ~lower in host memory (a shared slot's inactive roles), . unused")
+                 + "; UPPER active, lower idle on the device, ~lower in host memory (a shared slot's inactive roles), "
+                 "lower* on the device during one of the stages it runs alongside only, . unused")
 
     if plan.checkpoint is not None:
         lines += ["", _checkpoint_line(plan)]

@@ -8,12 +8,15 @@ rollout works only on the batch training will take next, so at most one finished
 generation round runs at a time, so a deeper queue would not raise throughput (the slower side is
 busy all the time either way); it would only make every sample older. With rollout and training
 overlapping, samples are then one version old, and K bounds what a slow sync or refill may add.
-Dynamic sampling drops groups whose rewards are all equal and refills the batch from the queue.
+Dynamic sampling drops groups whose rewards are all equal and refills the batch from the queue;
+after `rollout.max_refills` refills the batch is trained short, on the groups it has (as DAPO
+does), cut to a size the trainer's DP replicas and minibatches split evenly.
 A round cut by `rollout.max_round_s` leaves some responses unfinished; the next round continues
 them first (partial rollout), then starts what the batch still misses.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -29,6 +32,15 @@ from hpcrl.rollout.lifecycle import Group, SampleState
 
 class StalenessError(RuntimeError):
     pass
+
+
+def _groups_unit(job: JobConfig) -> int:
+    """The fewest groups whose samples split evenly into every trained role's DP replicas x
+    minibatches (so that no replica runs more micro-batches than another)."""
+    shares = [getattr(job.roles, role).parallel.dp * job.train.minibatches
+              for role in ("actor_train", "critic") if getattr(job.roles, role) is not None]
+    samples = math.lcm(*shares)
+    return samples // math.gcd(samples, job.algorithm.group_size)
 
 
 @dataclass
@@ -63,6 +75,7 @@ class RolloutScheduler:
         self.next_batch = 1                          # the batch training takes next
         self.in_flight: Round | None = None          # one round runs at a time
         self.counts: Counter[str] = Counter()        # lifecycle totals, for the metrics
+        self.groups_unit = _groups_unit(job)         # a short batch holds a multiple of this many groups
 
     # -- production ---------------------------------------------------------------------------
     def may_produce(self, batch: int, rollout_version: int) -> bool:
@@ -88,7 +101,15 @@ class RolloutScheduler:
             # A refill round is a full round (as in DAPO): when few groups survive the filter,
             # asking for just the missing ones would take many small rounds; extras are aborted.
             count = missing if self.attempts[batch] == 0 else self.groups_per_batch
-            samples += [(g, i) for g in self._new_groups(batch, count, rollout_version) for i in range(g.size)]
+            if not self._exhausted(batch):
+                samples += [(g, i) for g in self._new_groups(batch, count, rollout_version) for i in range(g.size)]
+            elif not samples and self._usable(batch) == 0:
+                kept = self.groups_per_batch - missing
+                raise RuntimeError(f"dynamic sampling: batch {batch} has {kept} groups with varied rewards after "
+                                   f"{self.attempts[batch]} rounds (rollout.max_refills), fewer than the "
+                                   f"{self.groups_unit} the trainer's replicas and minibatches need: the task is "
+                                   "solved or out of reach; raise rollout.max_refills or set "
+                                   "algorithm.dynamic_sampling=false")
         if not samples:
             return None
         index = self.rounds[batch]
@@ -96,12 +117,16 @@ class RolloutScheduler:
         self.in_flight = Round(batch, index, rollout_version, samples)
         return self.in_flight
 
+    def _exhausted(self, batch: int) -> bool:
+        """No more refills for `batch`: its first round and `rollout.max_refills` refills are done."""
+        return self.attempts[batch] > self.job.rollout.max_refills
+
+    def _usable(self, batch: int) -> int:
+        """How many of the batch's scored groups a short batch would train on."""
+        scored = sum(1 for g in self.groups.values() if g.batch == batch and g.state is SampleState.REWARDED)
+        return scored // self.groups_unit * self.groups_unit
+
     def _new_groups(self, batch: int, count: int, version: int) -> list[Group]:
-        attempt = self.attempts[batch]
-        if attempt > self.job.rollout.max_refills:
-            raise RuntimeError(f"dynamic sampling: batch {batch} still lacks {count} groups with varied rewards "
-                               f"after {attempt} rounds (rollout.max_refills): the task is solved or out of reach; "
-                               "raise rollout.max_refills or set algorithm.dynamic_sampling=false")
         self.attempts[batch] += 1
         groups = []
         for prompt in self.sampler.next_batch(count):
@@ -158,8 +183,11 @@ class RolloutScheduler:
 
     # -- consumption --------------------------------------------------------------------------
     def ready(self, batch: int) -> bool:
+        """All the batch's groups are scored, and it is full or out of refills (a short batch)."""
         groups = [g for g in self.groups.values() if g.batch == batch]
-        return len(groups) == self.groups_per_batch and all(g.state is SampleState.REWARDED for g in groups)
+        if not all(g.state is SampleState.REWARDED for g in groups):
+            return False
+        return len(groups) == self.groups_per_batch or (self._exhausted(batch) and self._usable(batch) > 0)
 
     def take(self, batch: int) -> tuple[list[Group], dict[str, float]]:
         """Hand batch `batch` to training; checks every sample's staleness against the bound."""
@@ -167,6 +195,13 @@ class RolloutScheduler:
             raise RuntimeError(f"batch {batch} taken out of turn (next is {self.next_batch}) or before it is ready")
         self.next_batch += 1
         groups = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+        if len(groups) < self.groups_per_batch:   # short: what splits evenly over the trainer
+            usable = self._usable(batch)
+            for extra in groups[usable:]:
+                extra.move(SampleState.ABORTED)
+                self.counts["aborted"] += extra.size
+                del self.groups[extra.group_id]
+            groups = groups[:usable]
         trained_version = batch - 1
         staleness = Counter()
         for group in groups:
@@ -181,6 +216,7 @@ class RolloutScheduler:
         metrics = {f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())}
         metrics["staleness_max"] = float(max(staleness))
         metrics["rollout_rounds"] = float(self.rounds[batch])   # more than one: refills, or cut rounds
+        metrics["batch_groups"] = float(len(groups))             # below train.prompts_per_step: a short batch
         metrics["queue_depth"] = float(sum(g.size for g in self.groups.values() if g.state is SampleState.REWARDED))
         return groups, metrics
 

@@ -14,6 +14,7 @@ controller never loops over tokens in Python.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,10 +27,11 @@ import numpy as np
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal, clear_control, control_reason, read_control
 from hpcrl.config.constants import EXIT_STOPPED
 from hpcrl.config.job import JobConfig
-from hpcrl.data import ResumableSampler, SamplerState, load_prompts
+from hpcrl.data import ResumableSampler, SamplerState, fit_context, load_prompts
 from hpcrl.engines.digests import combine_digests
 from hpcrl.engines.lr_schedule import learning_rate
 from hpcrl.metrics import StepRecorder
+from hpcrl.placement.memory import ModelShape
 from hpcrl.ragged import Ragged
 from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
@@ -40,6 +42,7 @@ from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, busy, run, wa
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN, TAG_SYNC
 from hpcrl.runtime.off_policy import off_policy_columns
+from hpcrl.runtime.residency import Residency
 
 
 class Busy:
@@ -90,6 +93,7 @@ class Controller:
         self.tokenizer = tokenizer
         self.run_dir = run_dir
         self.groups = {name: WorkerGroup.of(role) for name, role in layout.roles.items()}
+        self.residency = Residency(layout.residency, self.groups)
         workers = sorted({rank for role in layout.roles.values() for rank in role.ranks})
         self.everyone = WorkerGroup("*", workers)
         sync = layout.sync
@@ -99,7 +103,7 @@ class Controller:
         self.loaders = WorkerGroup("actor_infer", sync.loaders)
         trainer = layout.roles["actor_train"]
         self.trainer_replicas = [trainer.stage_leaders(d) for d in range(trainer.dp_size)]  # their stage leaders
-        self.sampler = ResumableSampler(load_prompts(job), seed=job.seed)
+        self.sampler = ResumableSampler(self._prompts(), seed=job.seed)
         self.scheduler = RolloutScheduler(job, self.sampler, tokenizer.encode)
         self.preemption = preemption
         self.checkpointer = Checkpointer(job, layout, run_dir, self.everyone)
@@ -116,11 +120,28 @@ class Controller:
         self.rollout_busy, self.train_busy = Busy(), Busy()
         self.times: dict[str, float] = {}
 
+    def _prompts(self) -> list:
+        """The job's prompts that fit the model's context with a whole response; the rest are left
+        out, with a count on stderr (verl filters overlong prompts the same way)."""
+        job = self.job
+        prompts = load_prompts(job)
+        context = ModelShape.from_model(job.model).max_position_embeddings
+        kept, dropped = fit_context(prompts, self.tokenizer.encode, context, job.rollout.max_new_tokens)
+        what = (f"longer than the {context} positions of the model's context (model.max_position_embeddings) less "
+                f"rollout.max_new_tokens = {job.rollout.max_new_tokens}")
+        if not kept:
+            raise ValueError(f"every one of the {len(prompts)} prompts is {what}: raise model.max_position_embeddings "
+                             "or lower rollout.max_new_tokens")
+        if dropped:
+            print(f"hpcrl: {dropped} of {len(prompts)} prompts are {what}: left out", file=sys.stderr, flush=True)
+        return kept
+
     # -- production ---------------------------------------------------------------------------
     def _start_round(self) -> None:
         found = self.scheduler.next_round(self.rollout_version)
         if found is None:
             return
+        self.residency.enter("rollout")
         pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
                                                   found.prompts(self.job.rollout.max_new_tokens), found.batch,
                                                   found.index)
@@ -143,6 +164,7 @@ class Controller:
         responses = Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)
         answers = [g.answer for g in groups for _ in range(g.size)]
         if "reward" in self.groups:
+            self.residency.enter("reward")
             return run(self.groups["reward"], "score", Dispatch.DP_SPLIT,
                        {"response_ids": responses, "answers": answers})["rewards"]
         return score_responses(self.tokenizer, responses, answers)
@@ -162,6 +184,7 @@ class Controller:
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
         started = time.perf_counter()
         self.train_busy.start()
+        self.residency.enter("logprobs")
         pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, sequences)]
         if "reference" in self.groups:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
@@ -175,6 +198,7 @@ class Controller:
         if stats["staleness_max"] > 0:
             train_batch.update(off_policy_columns(self.job.rollout, old, behaviour))
         lr = learning_rate(self.job.train, step)
+        self.residency.enter("train")
         call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch, lr)
         lengths = old.lengths
         metrics = {
@@ -198,6 +222,7 @@ class Controller:
         if self.staging is not None:   # its reply may have come in while the train call ran
             wait(self.staging.pending)
             self._staged()
+        self.residency.need("actor_train", "train")   # the weights are read from the trainer's devices
         pending = self.groups["actor_train"].call("stage_weights", Dispatch.ONE_TO_ALL, self.step, digest)
         self.staging = _InFlight(pending, time.perf_counter(), version=self.step)
         self.train_busy.start()
@@ -231,6 +256,7 @@ class Controller:
     def _push(self, digest: bool) -> None:
         version = self.staged_version
         self.rollout_version = version   # every round started after this runs with these weights
+        self.residency.enter("rollout")  # FIFO on the loaders: they are woken before the weights land
         self.pushing = _InFlight(_Both(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
                                        self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
                                  time.perf_counter(), version=version)
@@ -313,6 +339,10 @@ class Controller:
                     step_started = time.perf_counter()
                     metrics.update(self._step_times(elapsed, metrics["samples"]))
                     recorder.record(self.step, {"step": self.step, **metrics, "policy_version": self.step})
+                    if metrics["batch_groups"] < job.train.prompts_per_step:
+                        recorder.write(f"hpcrl: step {self.step} trained on a short batch: {metrics['batch_groups']:.0f} "
+                                       f"of {job.train.prompts_per_step} groups had varied rewards after "
+                                       f"rollout.max_refills={job.rollout.max_refills} refills (dynamic sampling)")
                     self.history.append({"step": self.step, **{k: v for k, v in metrics.items()
                                                                 if isinstance(v, (int, float))}})
                     request = self._request()
@@ -353,6 +383,9 @@ class Controller:
         times = {k: self.times.get(k, 0.0) for k in ("time_rollout_s", "time_reward_s", "time_logprobs_s",
                                                      "time_train_s", "time_stage_s", "time_sync_s")}
         self.times = {}
+        times["time_offload_s"], moves = self.residency.take()
+        if moves:
+            times["stage_moves"] = moves
         return {**times, "time_step_s": elapsed, "samples_per_s": samples / elapsed,
                 "rollout_idle_frac": max(0.0, 1 - self.rollout_busy.take() / elapsed),
                 "train_idle_frac": max(0.0, 1 - self.train_busy.take() / elapsed)}
@@ -360,6 +393,8 @@ class Controller:
     # -- checkpoints --------------------------------------------------------------------------
     def _save(self) -> None:
         self._settle()   # the round's samples go into the buffer; no collective is left in flight
+        for role in ("actor_train", "critic"):   # save_state reads the trained roles' state on their devices
+            self.residency.need(role, "train")
         state = {"step": self.step, "sampler": asdict(self.sampler.state), "policy_version": self.step,
                  "next_group_id": self.scheduler.next_group_id,
                  "attempts": [[b, n] for b, n in self.scheduler.attempts.items()],

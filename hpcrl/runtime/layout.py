@@ -8,7 +8,7 @@ pipeline stage's full weights (TP rank 0 of that stage).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hpcrl.placement import Plan
 
@@ -102,6 +102,7 @@ class WorldLayout:
     world_size: int
     roles: dict[str, RoleLayout]
     local_device: dict[int, int]   # worker rank -> device index on its node (the GPU it drives)
+    residency: dict[str, tuple[str, ...]] = field(default_factory=dict)  # plan.residency: stage -> resident roles
 
     def roles_on(self, rank: int) -> list[str]:
         return [name for name, role in self.roles.items() if rank in role.ranks]
@@ -116,4 +117,4 @@ def world_layout(plan: Plan) -> WorldLayout:
                               role.engine, dict(role.parallel))
              for name, role in plan.roles.items()}
     local_device = {rank: plan.slot_of_rank(rank) % plan.devices_per_node for rank in range(1, plan.world_size)}
-    return WorldLayout(plan.world_size, roles, local_device)
+    return WorldLayout(plan.world_size, roles, local_device, plan.residency)

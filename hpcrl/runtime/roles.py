@@ -66,7 +66,28 @@ def sample_generator(seed: int, step: int, replica: int, attempt: int = 0) -> to
     return torch.Generator().manual_seed((((seed * 1_000_003 + step) * 1_009 + replica) * 101 + attempt) % 2**63)
 
 
-class ActorTrain:
+class Resident:
+    """A role that may leave its devices while a role sharing them runs (the plan's stage moves):
+    `offload` and `reload` return the seconds they took, for the controller's time_offload_s."""
+
+    def _move_out(self) -> None:
+        self.trainer.offload()
+
+    def _move_in(self) -> None:
+        self.trainer.reload()
+
+    def offload(self) -> float:
+        started = time.perf_counter()
+        self._move_out()
+        return time.perf_counter() - started
+
+    def reload(self) -> float:
+        started = time.perf_counter()
+        self._move_in()
+        return time.perf_counter() - started
+
+
+class ActorTrain(Resident):
     def __init__(self, ctx: RoleContext):
         self.ctx = ctx
         self.trainer = training_engine_for("actor_train", ctx, trainable=True)
@@ -133,7 +154,7 @@ def _digesting(weights: Iterable[tuple[str, torch.Tensor]], into: list[tuple[str
         yield name, tensor
 
 
-class Reference:
+class Reference(Resident):
     """A frozen copy of the initial policy, for the KL penalty."""
 
     def __init__(self, ctx: RoleContext):
@@ -144,7 +165,7 @@ class Reference:
         return None if logprobs is None else {"ref_logprobs": logprobs}
 
 
-class ActorInfer:
+class ActorInfer(Resident):
     """Rollout with the job's generation engine. `native` runs on every rank of the role. `vllm` runs
     one offline engine per rollout replica, on the replica's first rank, with tensor parallelism
     inside vLLM over the replica's devices, and loads the weights itself; the replica's other
@@ -176,6 +197,14 @@ class ActorInfer:
                 address, _, _ = poll_recv(source=src, tag=TAG_ADDRESS)
                 groups.append({**address, "rank_offset": 1 + address["tp"] * address["loaders"].index(rank)})
             self.engine.join_weight_groups(groups)
+
+    def _move_out(self) -> None:
+        if self.engine is not None:   # a vLLM TP follower's GPU is its leader's engine's
+            self.engine.sleep()
+
+    def _move_in(self) -> None:
+        if self.engine is not None:
+            self.engine.wake()
 
     def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch | None:
         """One round: a response (or its continuation) per row, each within its `budgets` entry of

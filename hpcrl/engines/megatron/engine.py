@@ -25,7 +25,7 @@ from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.megatron.cpu_shim import on_cpu_shim
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
 from hpcrl.engines.megatron.model import build_gpt_model, load_gpt_weights
-from hpcrl.engines.megatron.offload import release, restore
+from hpcrl.engines.offload import model_state_tensors, release, restore
 from hpcrl.engines.megatron.packing import causal_mask, equal_micro_batches, pack
 from hpcrl.engines.micro_batches import micro_batching
 from hpcrl.engines.model_files import ModelFiles
@@ -267,23 +267,15 @@ class MegatronTrainer:
 
     @on_cpu_shim
     def offload(self) -> None:
-        """Free device memory: weights, gradient buffers, optimizer state (no-op on a CPU engine)."""
-        if self.device.type != "cpu" and not self._offloaded:
-            self._offloaded = release(self._device_tensors())
+        """Weights, gradients (views of DDP's buffers) and optimizer state to host memory."""
+        if not self._offloaded:
+            tensors = model_state_tensors(self.model.parameters())
+            for opt in self._optimizers():
+                tensors += model_state_tensors((), opt.optimizer)
+            self._offloaded = release(tensors)
 
     @on_cpu_shim
     def reload(self) -> None:
         restore(self._offloaded)
         self._offloaded = []
-
-    def _device_tensors(self) -> list[torch.Tensor]:
-        """Weights, gradients (views of DDP's buffers) and optimizer state: what offload moves."""
-        tensors = list(self.model.parameters())
-        tensors += [p.main_grad for p in tensors if getattr(p, "main_grad", None) is not None]
-        if self.optimizer is not None:
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
-                tensors += [v for state in opt.optimizer.state.values() for v in state.values()
-                            if isinstance(v, torch.Tensor)]
-        return tensors
 
