@@ -43,7 +43,7 @@ GOLDEN_CASES = {
     "slurm-local-chain": (TINY, SLURM_LOCAL, ["train.steps=200"], 3),
     "slurm-local-sweep": (TINY, SLURM_LOCAL, ["sweep={seed: [1, 2], train.lr: [0.001, 0.003]}"], 1),
     "example-4x8-h100": ("jobs/qwen2.5-7b-grpo.yaml", "clusters/example-4x8-h100.yaml", [], 1),
-    "example-8x8-h100": ("jobs/qwen2.5-72b-grpo.yaml", "clusters/example-8x8-h100.yaml", [], 1),
+    "example-16x8-h100": ("jobs/qwen2.5-72b-grpo.yaml", "clusters/example-16x8-h100.yaml", [], 1),
     "example-2x4-a100-container": (TINY, "clusters/example-2x4-a100-container.yaml",
                                    ["roles.actor_train.parallel.dp=4", "roles.actor_infer.parallel.dp=4"], 1),
 }
