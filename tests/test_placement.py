@@ -433,16 +433,22 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
 @pytest.mark.parametrize("files, overrides, message", REFUSED, ids=[m.split(":")[0] + f"[{i}]"
                                                                    for i, (_, _, m) in enumerate(REFUSED)])
 def test_the_plan_refuses_what_an_engine_would_refuse_naming_the_key(files, overrides, message, capsys,
-                                                                     monkeypatch):
-    """`hpcrl plan`'s command line (in this process: twelve interpreters would cost 20 s): exit 2 and
-    the message, before anything is submitted or started."""
+                                                                     monkeypatch, tmp_path):
+    """`hpcrl plan`'s command line (in this process: a dozen interpreters would cost 20 s): exit 2 and
+    the message; `hpcrl run` (local profile) and `hpcrl submit --dry-run` (Slurm) refuse the same way,
+    before a run directory exists or a rank starts."""
     from hpcrl.cli import main
 
     monkeypatch.chdir(REPO_ROOT)
     job_file, cluster_file = files
-    code = main(["plan", job_file, "--cluster", cluster_file, *[x for o in overrides for x in ("--set", o)]])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err, err
+    sets = [x for o in overrides for x in ("--set", o)]
+    start = ["run", job_file] if cluster_file.endswith("local.yaml") else ["submit", job_file, "--dry-run"]
+    for command in (["plan", job_file], start):
+        code = main([*command, "--cluster", cluster_file, "--run-dir", str(tmp_path / "run"), *sets]
+                    if command[0] != "plan" else [*command, "--cluster", cluster_file, *sets])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (command, err)
+    assert not (tmp_path / "run").exists()
 
 
 def test_rejects_memory_over_the_device():
@@ -514,3 +520,19 @@ def test_a_rollout_replica_is_its_tp_group_and_its_first_rank_leads():
         assert all(infer.replica_of(rank) == sorted(group) for rank in group)
     leaders = {infer.replica_of(rank)[0] for rank in infer.ranks}
     assert len(leaders) == 8, "one vLLM engine per rollout DP replica"
+
+
+def test_the_72b_example_time_shares_all_128_gpus_stage_by_stage():
+    plan = compile_plan(load_job(REPO_ROOT / "jobs" / "qwen2.5-72b-grpo.yaml"),
+                        load_profile(REPO_ROOT / "clusters" / "example-16x8-h100.yaml"))
+    assert plan.world_size == 129 and all(role.slots == tuple(range(128)) for role in plan.roles.values())
+    assert plan.residency == {"rollout": ("actor_infer",), "logprobs": ("actor_train", "reference"),
+                              "train": ("actor_train",)}
+    peaks = {name: max(stage.slot_memory_gb.values()) for name, stage in plan.stages.items()}
+    assert peaks["rollout"] == peaks["reward"] == pytest.approx(68.0), "vLLM's 0.85 share, alone on the GPUs"
+    assert 31 < peaks["logprobs"] < 32 and 26 < peaks["train"] < 26.1
+    text = format_plan(plan)
+    assert ("stage rollout: active actor_infer; resident actor_infer; in host memory actor_train, reference; "
+            "offload at entry actor_train, reference; peak 68.00 GB of 80 GB per device") in text
+    assert "stage reward: active none (controller only); resident actor_infer;" in text
+    assert "moves nothing at entry, resident as in rollout" in text

@@ -182,16 +182,17 @@ def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_
     assert stages["rollout"]["offload"] == ["actor_train", "reference"]
     assert stages["logprobs"]["offload"] == ["actor_infer"]
     assert stages["train"]["offload"] == ["actor_infer", "reference"]
-    resident = {"actor_train", "reference", "actor_infer"}   # every engine is built on its devices
+    resident = set()   # every role that moves is parked in host memory once built
     for m in metrics:
         moves = [move.split(":") for move in m["stage_moves"]]
-        order = list(dict.fromkeys(stage for stage, _, _ in moves))
-        assert order == [s for s in ("rollout", "logprobs", "train") if s in order], order
-        for stage in order:
-            for _, action, role in [move for move in moves if move[0] == stage]:
-                assert (role in resident) == (action == "offload"), (stage, action, role)
-                resident ^= {role}
-            assert resident == set(stages[stage]["resident"]), (m["step"], stage, resident)
+        order = [stage for i, (stage, _, _) in enumerate(moves) if i == 0 or moves[i - 1][0] != stage]
+        if m["step"] > 1:   # before step 1 the first sync brings the trainer, then rollout, back
+            assert order == ["rollout", "logprobs", "train"], order
+        for i, (stage, action, role) in enumerate(moves):
+            assert (role in resident) == (action == "offload"), (m["step"], stage, action, role)
+            resident ^= {role}
+            if i + 1 == len(moves) or moves[i + 1][0] != stage:   # the stage's moves are done
+                assert resident == set(stages[stage]["resident"]), (m["step"], stage, resident)
         assert m["time_offload_s"] > 0
     assert [len(m["stage_moves"]) for m in metrics[1:]] == [6, 6], "3 roles leave and come back every step"
     kept_plan, kept = runs[False]

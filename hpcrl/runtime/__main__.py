@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                   sync_sources=sources if name == "actor_infer" else [],
                                   sync_loaders=tuple(sync.loaders), sync_direct=direct)
                 peers[name] = ROLE_CLASSES[name](ctx)
+                if name in layout.movable:   # the controller brings it back for its first stage
+                    peers[name].offload()
             serve(peers, groups.replica, heartbeat=watch)
             watch.stop()
             code = 0

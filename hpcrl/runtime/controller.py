@@ -402,6 +402,8 @@ class Controller:
         self.checkpointer.save(self.step, state, self.history, self.scheduler.buffer())
 
     def _restore(self) -> None:
+        for role in ("actor_train", "critic"):   # load_state writes into the engines' state on their devices
+            self.residency.need(role, "train")
         state = self.checkpointer.restore(self.allowed_changes, self.restart)
         if state is None:
             return

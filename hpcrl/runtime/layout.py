@@ -104,6 +104,12 @@ class WorldLayout:
     local_device: dict[int, int]   # worker rank -> device index on its node (the GPU it drives)
     residency: dict[str, tuple[str, ...]] = field(default_factory=dict)  # plan.residency: stage -> resident roles
 
+    @property
+    def movable(self) -> set[str]:
+        """The roles that leave their devices in some stage: parked in host memory once built, so
+        that the next one is built on a free device (vLLM sizes its pool from what is free)."""
+        return {name for name in self.roles if any(name not in here for here in self.residency.values())}
+
     def roles_on(self, rank: int) -> list[str]:
         return [name for name, role in self.roles.items() if rank in role.ranks]
 

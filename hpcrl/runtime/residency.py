@@ -19,7 +19,8 @@ class Residency:
         """`windows`: stage -> the roles resident during it (plan.residency); `groups`: the roles."""
         self.windows = windows
         self.groups = groups
-        self.resident = set(groups)    # every engine is built on its devices
+        # the roles that ever move are parked in host memory as they are built (WorldLayout.movable)
+        self.resident = {role for role in groups if all(role in here for here in windows.values())}
         self.pending: list[Pending] = []
         self.moves: list[str] = []     # "stage:offload:role" since the last `take`
 
