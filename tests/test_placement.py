@@ -536,3 +536,19 @@ def test_the_72b_example_time_shares_all_128_gpus_stage_by_stage():
             "offload at entry actor_train, reference; peak 68.00 GB of 80 GB per device") in text
     assert "stage reward: active none (controller only); resident actor_infer;" in text
     assert "moves nothing at entry, resident as in rollout" in text
+
+
+def test_what_waits_in_host_memory_must_fit_the_node():
+    """72B colocated: during rollout a node keeps 8 GPUs' worth of trainer and reference state and a
+    staged copy of a pipeline stage's weights in host memory: 226 GB, refused under slurm.mem 200G."""
+    job_config = load_job(REPO_ROOT / "jobs" / "qwen2.5-72b-grpo.yaml")
+    cluster = REPO_ROOT / "clusters" / "example-16x8-h100.yaml"
+    plan = compile_plan(job_config, load_profile(cluster))
+    trainer, reference = plan.roles["actor_train"].memory, plan.roles["reference"].memory
+    staged = count_parameters(ModelShape.from_model(job_config.model)) * 2 / 4   # bf16, over pp 4
+    assert plan.stages["rollout"].node_host_gb[0] == pytest.approx((8 * (trainer.state + reference.state) + staged) / 2**30)
+    assert plan.stages["rollout"].node_host_gb[1] == pytest.approx(8 * (trainer.state + reference.state) / 2**30)
+    assert "host memory 226.45 GB per node of 480 GB" in format_plan(plan)
+    message = rejects("roles.actor_train.offload: in stage rollout node 0 holds 226.4 GB in host memory",
+                      job_config, load_profile(cluster, ["slurm.mem=200G"]))
+    assert "raise slurm.mem" in message

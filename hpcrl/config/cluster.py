@@ -128,3 +128,13 @@ class ClusterProfile(Schema):
     @property
     def slots(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def node_memory_gb(self) -> float | None:
+        """Host memory the job gets per node (slurm.mem, Slurm's units, M by default); None when the
+        profile does not say (no slurm section, mem unset or 0 for "all of it", or mem_per_cpu)."""
+        mem = self.slurm.mem if self.slurm is not None else None
+        if not mem or int(mem.rstrip("KMGT")) == 0:
+            return None
+        unit = mem[-1] if mem[-1].isalpha() else "M"
+        return int(mem.rstrip("KMGT")) * {"K": 2.0 ** -20, "M": 2.0 ** -10, "G": 1.0, "T": 1024.0}[unit]

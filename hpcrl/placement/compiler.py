@@ -32,7 +32,7 @@ from hpcrl.config.job import JobConfig, Parallel
 from hpcrl.engines.capabilities import ModelDims, parallel_refusals, role_refusals
 from hpcrl.placement.errors import PlacementError
 from hpcrl.placement.memory import (DTYPE_BYTES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape, count_parameters,
-                                    estimate_role_memory)
+                                    estimate_role_memory, human_bytes)
 from hpcrl.placement.plan import (CONSUMPTION, PRODUCTION, STAGES, CheckpointEstimate, Plan, RolePlan, StagePlan,
                                   kept_residency, resident_roles, residency_windows)
 from hpcrl.placement.rank_groups import megatron_groups
@@ -347,6 +347,41 @@ def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str,
     return filled
 
 
+def _host_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str, list[int]],
+                 memory: dict[str, MemoryEstimate], roles: dict[str, _Role], shape: ModelShape,
+                 profile: ClusterProfile) -> dict[str, StagePlan]:
+    """Host memory per node in each stage: the state of the roles waiting there (weights, gradients,
+    optimizer state; vLLM's weights, asleep) and the trainer's staged weights (one copy in the job's
+    dtype, split over the first replica's pipeline-stage leaders). Over the node's memory
+    (slurm.mem), the plan is refused: the job would be OOM-killed at its first stage change."""
+    trainer = roles["actor_train"].parallel
+    local = megatron_groups(tp=trainer.tp, pp=trainer.pp, cp=trainer.cp, ep=trainer.ep, dp=trainer.dp)
+    leaders = [slots["actor_train"][i] for i in next(g for g in local["pp"] if 0 in g)]
+    staged = count_parameters(shape) * DTYPE_BYTES[job.model.dtype] / trainer.pp
+    per_node = profile.devices_per_node
+    filled = {}
+    for name, stage in stages.items():
+        host = {node: 0.0 for node in sorted({s // per_node for ss in slots.values() for s in ss})}
+        for slot in leaders:
+            host[slot // per_node] += staged / GIB
+        away = [n for n in roles if n not in stage.resident]
+        for role in away:
+            for slot in slots[role]:
+                host[slot // per_node] += memory[role].state / GIB
+        filled[name] = replace(stage, node_host_gb=host)
+        limit = profile.node_memory_gb
+        node, total = max(host.items(), key=lambda item: item[1])
+        if limit is not None and total > 0.9 * limit:
+            waiting = ", ".join(f"{n} {human_bytes(memory[n].state)} per device" for n in away) or "nothing"
+            raise PlacementError(
+                f"roles.{away[0] if away else 'actor_train'}.offload: in stage {name} node {node} holds {total:.1f} GB "
+                f"in host memory ({waiting} waiting there, and the staged weights), over 90% of the "
+                f"{limit:g} GB a node gets (slurm.mem of cluster {profile.name}). Fix: raise slurm.mem, keep a role "
+                "on its devices (roles.<name>.offload: false, if the devices hold it), or spread the roles over "
+                "more nodes")
+    return filled
+
+
 def _check_vllm_pool(job: JobConfig, memory: dict[str, MemoryEstimate], profile: ClusterProfile) -> None:
     """vLLM must fit the weights (and some KV cache) into its share of the device."""
     infer = memory.get("actor_infer")
@@ -403,6 +438,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)
     stages = _check_memory(job, _stage_plans(job, roles, slots, memory), slots, memory, roles, profile)
+    stages = _host_memory(job, stages, slots, memory, roles, shape, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})
     rank = {slot: 1 + index for index, slot in enumerate(used)}
@@ -423,7 +459,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
                        for stage in STAGES})
     return Plan(world_size=1 + len(used), nodes=profile.nodes, devices_per_node=per_node, roles=role_plans,
                 stages=stages, job=job.name, cluster=profile.name, device=profile.device,
-                device_memory_gb=profile.device_memory_gb,
+                device_memory_gb=profile.device_memory_gb, node_memory_gb=profile.node_memory_gb,
                 checkpoint=_checkpoint_estimate(job, profile, shape, role_plans))
 
 

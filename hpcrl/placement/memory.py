@@ -146,6 +146,9 @@ def count_parameters(shape: ModelShape, head: str = "lm") -> int:
     return embedding + shape.num_layers * layer + h + out
 
 
+TRANSIENT_PARTS = ("activations", "logits", "KV cache", "vLLM pool reserve")
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes one device of a role holds while the role is on the device, part by part."""
@@ -163,6 +166,12 @@ class MemoryEstimate:
 
     def part(self, name: str) -> int:
         return sum(n for key, n in self.parts if key == name)
+
+    @property
+    def state(self) -> int:
+        """What goes to host memory when the role leaves its device: weights, gradients, optimizer
+        state. Activations, logits and vLLM's KV cache and pool are freed, not moved."""
+        return self.total - sum(self.part(name) for name in TRANSIENT_PARTS)
 
     def describe(self) -> str:
         if not self.params:

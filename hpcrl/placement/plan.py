@@ -108,6 +108,7 @@ class StagePlan:
     moves: bool = True
     follows: tuple[str, ...] = ()             # moves nothing: runs with the residency of these stages
     slot_memory_gb: dict[int, float] = field(default_factory=dict)  # used slot -> GB resident in this stage
+    node_host_gb: dict[int, float] = field(default_factory=dict)    # node -> GB waiting in its host memory
 
     def to_json(self) -> dict[str, Any]:
         return {"active": {role: list(slots) for role, slots in self.active.items()},
@@ -144,6 +145,7 @@ class Plan:
     device: str = "cuda"
     device_memory_gb: float = 0.0
     checkpoint: CheckpointEstimate | None = None
+    node_memory_gb: float | None = None      # host memory per node (slurm.mem), when the profile says
 
     @property
     def used_slots(self) -> tuple[int, ...]:

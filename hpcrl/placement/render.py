@@ -63,6 +63,7 @@ def format_plan(plan: Plan) -> str:
     lines += _grid(plan, lambda s: f"r{plan.rank_of_slot(s)}" if s in used else ".")
 
     present = [name for name in CODES if name in plan.roles]
+    node_gb = f" of {plan.node_memory_gb:g} GB" if plan.node_memory_gb else ""
     for stage in plan.stages.values():
         lines.append("")
         active = ", ".join(stage.active) or "none (controller only)"
@@ -76,7 +77,8 @@ def format_plan(plan: Plan) -> str:
             moves = f"moves nothing at entry, resident as in {' / '.join(stage.follows)}"
         lines.append(f"stage {stage.name}{alongside}: active {active}; resident {', '.join(stage.resident) or '-'}; "
                      f"in host memory {', '.join(host) or '-'}; {moves}; "
-                     f"peak {human_bytes(peak * GIB)} of {plan.device_memory_gb:g} GB per device")
+                     f"peak {human_bytes(peak * GIB)} of {plan.device_memory_gb:g} GB per device; "
+                     f"host memory {human_bytes(max(stage.node_host_gb.values(), default=0.0) * GIB)} per node{node_gb}")
 
         def cell(slot: int, stage=stage) -> str:
             codes = []
