@@ -273,6 +273,13 @@ def test_async_rollout_beside_training_stays_resident_and_the_memory_check_adds_
     assert big([*SHARED_NODES, "rollout.gpu_memory_utilization=0.75", "rollout.max_staleness=0"])
 
 
+def test_a_role_idle_on_its_own_devices_is_named_in_the_stage_it_works_in():
+    rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 115.08 GB on slot 0",
+            load_job(BIG_JOB, ["rollout.max_staleness=0", "roles.actor_train.parallel.tp=1",
+                               "roles.actor_train.parallel.pp=1", "roles.actor_train.parallel.dp=4"]),
+            load_profile(BIG_CLUSTER))
+
+
 def test_a_role_that_may_not_leave_its_devices_is_counted_in_every_stage():
     plan = big([*SHARED_NODES, "rollout.max_staleness=0", "roles.reference.offload=false"])
     assert "reference" in plan.stages["rollout"].resident and plan.stages["train"].offload == ("actor_infer",)

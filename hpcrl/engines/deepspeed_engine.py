@@ -107,7 +107,7 @@ class DeepSpeedTrainer(TorchTrainer):
         self.stage = zero_stage
         self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
         self.trainable = trainable
-        self._offloaded = []
+        self._host, self._away = [], False
         hf_config = files.config()
         buckets = zero_buckets(hf_config.hidden_size, files.numel("model.layers.0."), zero_stage)
         config = deepspeed_config(job, zero_stage, trainable, buckets)
@@ -188,15 +188,22 @@ class DeepSpeedTrainer(TorchTrainer):
                                    load_optimizer_states=self.trainable, load_lr_scheduler_states=False)
 
     def offload(self) -> None:
-        """ZeRO-3 on GPUs: DeepSpeed's own offload_states (its contiguous buffers too); otherwise the
-        partitions, fp32 masters and Adam state as every engine does (TorchTrainer.offload)."""
-        if self.device.type == "cuda" and self.stage == 3:
+        """ZeRO-3 training on GPUs: DeepSpeed's own offload_states (its contiguous buffers too);
+        otherwise the partitions, fp32 masters and Adam state as every engine does (TorchTrainer)."""
+        if self._own_offload:
             self.model.offload_states()
+            torch.cuda.empty_cache()
         else:
             super().offload()
 
     def reload(self) -> None:
-        if self.device.type == "cuda" and self.stage == 3:
+        if self._own_offload:
             self.model.reload_states()
         else:
             super().reload()
+
+    @property
+    def _own_offload(self) -> bool:
+        """DeepSpeed's offload_states serves a ZeRO-3 training engine on GPUs (it moves its optimizer's
+        buffers); a frozen engine has none."""
+        return self.device.type == "cuda" and self.stage == 3 and self.trainable

@@ -1,7 +1,7 @@
 """The policy's weights on disk: a Hugging Face directory (config.json + safetensors) every engine loads from.
 
 One source for every engine and every rank: a real checkpoint (`model.path`) or, for a job with
-random weights, the seeded model written once by the controller (`write_random_init`). Readers
+random weights, the seeded model written once by the first worker rank (`write_random_init`). Readers
 take only what they keep: a whole tensor, or a slice of it (safetensors' `get_slice` reads just
 those bytes), so a rank that holds a shard never materialises the full model.
 """
@@ -99,7 +99,7 @@ def _stamp(model: ModelConfig, seed: int, tokenizer) -> dict:
 
 def write_random_init(job: JobConfig, tokenizer, run_dir: Path) -> Path:
     """The job's seeded random model as a HF directory under the run dir, written once (by the
-    controller, before any rank builds an engine) and kept for the run's restarts. Atomic: a
+    first worker rank, before any rank builds an engine) and kept for the run's restarts. Atomic: a
     directory with a matching stamp is complete; anything else is replaced."""
     target = Path(run_dir) / INIT_DIR
     stamp = _stamp(job.model, job.seed, tokenizer)

@@ -61,7 +61,8 @@ class NativeSampler:
         self.pad_id = pad_id
         self.step_delay_s = step_delay_s
         self._landing: dict[tuple[str, ...], torch.Tensor] = {}
-        self._asleep: Saved = []
+        self._host: Saved = []
+        self._asleep = False
 
     def _params(self, names) -> list[torch.nn.Parameter]:
         params = dict(self.model.named_parameters())
@@ -103,11 +104,13 @@ class NativeSampler:
         """The weights to host memory (it keeps no cache between calls); the landing buffers they are
         views of go too, and come back in place, so a sync still lands in them."""
         if not self._asleep:
-            self._asleep = release(model_state_tensors(self.model.parameters()))
+            self._host = release(model_state_tensors(self.model.parameters()), self._host)
+            self._asleep = True
 
     def wake(self) -> None:
-        restore(self._asleep)
-        self._asleep = []
+        if self._asleep:
+            restore(self._host)
+            self._asleep = False
 
     @torch.no_grad()
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,

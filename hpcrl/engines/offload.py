@@ -16,10 +16,14 @@ import torch
 Saved = list[tuple[torch.UntypedStorage, torch.Tensor]]
 
 
-def release(tensors: list[torch.Tensor]) -> Saved:
-    """Copy each distinct storage to host memory, then shrink it to nothing."""
+def release(tensors: list[torch.Tensor], reuse: Saved = ()) -> Saved:
+    """Copy each distinct storage to host memory, then shrink it to nothing, and hand the freed
+    device blocks back to the driver (another process, vLLM's workers, needs them). `reuse`: the
+    host copies of the previous release of the same tensors, filled again instead of pinning new
+    memory every stage (pinned allocations are slow, and rounded up to a power of two)."""
     saved: Saved = []
     seen: set[int] = set()
+    spare = [host for _, host in reuse]
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if storage.data_ptr() in seen or storage.nbytes() == 0:
@@ -28,16 +32,20 @@ def release(tensors: list[torch.Tensor]) -> Saved:
         if not storage.resizable():
             raise RuntimeError(f"cannot offload a {tuple(tensor.shape)} {tensor.dtype} tensor: its storage is not "
                                "resizable (`.numpy()` or `torch.from_numpy` made it so); use a copy there")
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+        host = spare.pop(0) if spare and spare[0].numel() == storage.nbytes() else torch.empty(
+            storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
         host.untyped_storage().copy_(storage)
         saved.append((storage, host))
     for storage, _ in saved:
         storage.resize_(0)
+    if any(storage.device.type == "cuda" for storage, _ in saved):
+        torch.cuda.empty_cache()
     return saved
 
 
 def restore(saved: Saved) -> None:
-    """Grow every released storage back and copy its bytes in."""
+    """Grow every released storage back and copy its bytes in (`saved` keeps the host copies, for
+    the next `release` to reuse)."""
     for storage, host in saved:
         storage.resize_(host.numel())
         storage.copy_(host.untyped_storage())

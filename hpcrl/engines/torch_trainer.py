@@ -99,7 +99,8 @@ class TorchTrainer:
         self._autocast = not self.gathers_over_dp and master != self.compute_dtype
         self.model = model
         self.optimizer = None
-        self._offloaded: Saved = []
+        self._host: Saved = []      # host copies of the offloaded state, kept for the next offload
+        self._away = False
         if trainable:
             if job.train.recompute:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -115,7 +116,8 @@ class TorchTrainer:
 
     def _wrap(self, model: torch.nn.Module) -> None:
         if self.dp_size > 1 and not self.gathers_over_dp:
-            self.model = DistributedDataParallel(model, process_group=self.dp_group)
+            # gradients as views of DDP's buckets: one copy of them, which offload frees with the views
+            self.model = DistributedDataParallel(model, process_group=self.dp_group, gradient_as_bucket_view=True)
         self.optimizer = adamw(model, self.job)
 
     @property
@@ -132,12 +134,16 @@ class TorchTrainer:
     def offload(self) -> None:
         """Weights, gradients and optimizer state to host memory (pinned, from a GPU; a separate copy
         on a CPU), freeing their storage; DDP's and FSDP2's flat buffers go with the views into them."""
-        if not self._offloaded:
-            self._offloaded = release(model_state_tensors(self.module.parameters(), self.optimizer))
+        if not self._away:
+            if hasattr(self.module, "reshard"):   # FSDP2 keeps the root's gathered parameters after a forward
+                self.module.reshard()
+            self._host = release(model_state_tensors(self.module.parameters(), self.optimizer), self._host)
+            self._away = True
 
     def reload(self) -> None:
-        restore(self._offloaded)
-        self._offloaded = []
+        if self._away:
+            restore(self._host)
+            self._away = False
 
     # ---- forward -------------------------------------------------------------------------------------------------
 

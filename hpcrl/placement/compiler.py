@@ -320,6 +320,10 @@ def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str,
         here = stages[stage]
         resident = [n for n in here.resident if slot in slots[n]]
         biggest = max(resident, key=lambda n: memory[n].total)
+        # the same peak in a stage where the biggest role works says more than one where it idles
+        stage = next((name for name, plan in filled.items() if plan.moves and name in roles[biggest].stages
+                      and plan.slot_memory_gb[slot] >= total - 1e-9), stage)
+        here = stages[stage]
         parts = " + ".join(f"{n} {memory[n].describe()}" for n in resident)
         p = roles[biggest].parallel
         fix = f"raise tp or pp of {biggest} (now tp*pp = {p.tp * p.pp})"
@@ -330,7 +334,7 @@ def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str,
             fix += f", or let {', '.join(kept)} leave the device while idle (roles.<name>.offload: true)"
         # name the stage the biggest role works in, and the stages running beside it on this slot
         window = (stage, *here.overlaps)
-        named = next(s for s in window if s in roles[biggest].stages) if biggest not in here.active else stage
+        named = next((s for s in window if s in roles[biggest].stages), stage) if biggest not in here.active else stage
         beside = [s for s in window if s != named and any(s in roles[n].stages for n in resident)]
         overlapped = [n for n in resident if set(roles[n].stages) & set(here.overlaps)]
         if beside and overlapped:
@@ -374,7 +378,7 @@ def _host_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str, 
         if limit is not None and total > 0.9 * limit:
             waiting = ", ".join(f"{n} {human_bytes(memory[n].state)} per device" for n in away) or "nothing"
             raise PlacementError(
-                f"roles.{away[0] if away else 'actor_train'}.offload: in stage {name} node {node} holds {total:.1f} GB "
+                f"roles.{max(away, key=lambda n: memory[n].state) if away else 'actor_train'}.offload: in stage {name} node {node} holds {total:.1f} GB "
                 f"in host memory ({waiting} waiting there, and the staged weights), over 90% of the "
                 f"{limit:g} GB a node gets (slurm.mem of cluster {profile.name}). Fix: raise slurm.mem, keep a role "
                 "on its devices (roles.<name>.offload: false, if the devices hold it), or spread the roles over "

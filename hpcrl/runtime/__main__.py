@@ -23,7 +23,7 @@ from hpcrl.checkpoint import PreemptionSignal  # noqa: E402
 PREEMPTION = PreemptionSignal().install()
 STARTED = __import__("time").time()   # when this world started: older exit records are an earlier one's
 
-from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, report_and_wait  # noqa: E402
+from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, barrier, report_and_wait  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -56,11 +56,12 @@ def _load_on_controller(args: argparse.Namespace):
             payload = (job, profile, layout)
         except BaseException:
             payload = traceback.format_exc()
+    barrier()   # the workers sleep while the controller works (a blocking bcast would spin)
     payload = COMM.bcast(payload, root=CONTROLLER)
     if isinstance(payload, str):
         if COMM.Get_rank() == CONTROLLER:
             abort(f"hpcrl: the controller could not start:\n{payload}")
-        COMM.Barrier()  # wait for the abort
+        barrier()  # wait for the abort
     return payload
 
 
@@ -105,13 +106,17 @@ def _watch(job, layout, run_dir: Path):
 
 def _initial_weights(job, tokenizer, run_dir: Path, rank: int):
     """The files every engine loads: `model.path`, or the job's random model, written once by the
-    controller while the workers wait (no rank builds the full model for itself)."""
+    first worker while the others wait (no other rank builds the full model). Not the controller:
+    it never imports transformers, which costs each process seconds of start-up."""
+    if rank == CONTROLLER:
+        barrier()
+        return None
     from hpcrl.engines.model_files import ModelFiles, model_dir, write_random_init
 
-    if job.model.path is None and rank == CONTROLLER:
+    if job.model.path is None and rank == CONTROLLER + 1:
         write_random_init(job, tokenizer, run_dir)
-    COMM.Barrier()
-    return None if rank == CONTROLLER else ModelFiles(model_dir(job, run_dir))
+    barrier()
+    return ModelFiles(model_dir(job, run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.data import load_tokenizer
     from hpcrl.runtime.groups import build_process_groups
     from hpcrl.runtime.mpi_world import init_torch_distributed, require_threads, set_cpu_threads, wait_sends
-    from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
 
     rank = COMM.Get_rank()
     role = "controller" if rank == CONTROLLER else ",".join(layout.roles_on(rank))
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 abort(f"hpcrl: {exc}", EXIT_REFUSED)
             controller.shutdown()
         else:
+            from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
             from hpcrl.runtime.worker import serve
 
             peers: dict[str, object] = {}

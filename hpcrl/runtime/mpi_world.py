@@ -106,6 +106,16 @@ def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
     return _PICKLE.loads_oob(parts[0], parts[1:]), source, tag
 
 
+def barrier() -> None:
+    """MPI_Barrier without spinning (see poll_recv): ranks that arrive early sleep, so the one still
+    working (writing the initial weights, importing its engine) gets the cores."""
+    request = COMM.Ibarrier()
+    delay = 1e-4
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+
+
 def queued(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> bool:
     """Whether a message is waiting to be received."""
     return bool(COMM.Iprobe(source=source, tag=tag))

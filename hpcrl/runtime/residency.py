@@ -32,6 +32,11 @@ class Residency:
         leaving = [role for role in self.groups if role in self.resident and role not in target]
         coming = [role for role in self.groups if role not in self.resident and role in target]
         for action, roles in (("offload", leaving), ("reload", coming)):
+            if action == "reload" and leaving and coming:
+                # memory is freed before it is taken again on every device: each rank serves its
+                # calls in order, but a vLLM replica's GPUs are freed by its leader alone, while a
+                # follower rank would already reload the trainer onto them
+                wait(*self.pending)
             for role in roles:
                 self.pending.append(self.groups[role].call(action, Dispatch.ONE_TO_ALL))
                 self.moves.append(f"{stage}:{action}:{role}")

@@ -64,7 +64,8 @@ class MegatronTrainer:
                                         p2p_communicator=P2PCommunicator(self.pgc.pp, self.config),
                                         pg_collection=self.pgc)
         self.optimizer = None
-        self._offloaded: list = []
+        self._host: list = []   # host copies of the offloaded state, kept for the next offload
+        self._away = False
         if not trainable:
             load_gpt_weights(self.gpt, files, self.pgc)
             self.model.requires_grad_(False)
@@ -268,14 +269,16 @@ class MegatronTrainer:
     @on_cpu_shim
     def offload(self) -> None:
         """Weights, gradients (views of DDP's buffers) and optimizer state to host memory."""
-        if not self._offloaded:
+        if not self._away:
             tensors = model_state_tensors(self.model.parameters())
             for opt in self._optimizers():
                 tensors += model_state_tensors((), opt.optimizer)
-            self._offloaded = release(tensors)
+            self._host = release(tensors, self._host)
+            self._away = True
 
     @on_cpu_shim
     def reload(self) -> None:
-        restore(self._offloaded)
-        self._offloaded = []
+        if self._away:
+            restore(self._host)
+            self._away = False
 
