@@ -3,7 +3,7 @@
 A Qwen2-shaped model of ~300M parameters (random weights written once to safetensors in a
 temporary directory and loaded through `model.path`, as a real checkpoint is) is trained for one
 step on CPU ranks (gloo) by each engine layout: torch dp=1, torch/FSDP2 dp=2, DeepSpeed ZeRO-3
-dp=2, Megatron tp=2. Each rank measures its resident memory (Linux VmRSS, and the peak VmHWM,
+dp=1 and dp=2, Megatron tp=2. Each rank measures its resident memory (Linux VmRSS, and the peak VmHWM,
 reset between phases through /proc/self/clear_refs) above the process baseline taken after the
 imports, before any model is built:
 
@@ -16,9 +16,12 @@ imports, before any model is built:
 - step peak of the next step: the same plus activations and logits of the micro-batches,
 
 and prints them next to the full model's bytes and the plan's estimate (hpcrl.placement.memory)
-for the same role. With dp=2, held memory must be at most 0.6x dp=1's.
+for the same role. With dp=2, held memory must be at most 0.6x that of the same engine at dp=1
+(FSDP2 against torch dp=1: its dp=1 is plain torch). ZeRO-3 keeps an fp32 master copy even of
+fp32 weights, so it holds 20 bytes per parameter where torch holds 16; `--dtype bfloat16` is the
+layout jobs run (bf16 weights and gradients, fp32 masters and Adam state in every engine).
 
-    python bench/memory.py [--layers 24] [--samples 4] [--prompt 96] [--response 32] [--micro 2]
+    python bench/memory.py [--dtype bfloat16] [--layers 24] [--samples 4] [--prompt 96] [--response 32] [--micro 2]
     python bench/memory.py probe --engine torch --model-dir D --json OUT [--set key=value ...]
         (one measurement; under mpiexec for dp or tp > 1; used by tests/test_memory_estimate.py)
 """
@@ -40,11 +43,22 @@ ENGINES = {  # name -> (job overrides, ranks)
     "torch dp1": (["roles.actor_train.engine=torch", "roles.actor_train.parallel.dp=1"], 1),
     "fsdp2 dp2": (["roles.actor_train.engine=torch", "roles.actor_train.fsdp=true",
                    "roles.actor_train.parallel.dp=2"], 2),
+    "zero3 dp1": (["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=3",
+                   "roles.actor_train.parallel.dp=1"], 1),
     "zero3 dp2": (["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=3",
                    "roles.actor_train.parallel.dp=2"], 2),
     "megatron tp2": (["roles.actor_train.engine=megatron", "roles.actor_train.parallel.tp=2",
                       "roles.actor_train.parallel.dp=1"], 2),
 }
+
+
+# glibc serves allocations below its mmap threshold from the heap and keeps what is freed there;
+# the threshold grows with every large block freed (up to 32 MiB), so a rank that frees many
+# mid-sized tensors (ZeRO's defragmentation, Adam's temporaries) keeps their pages: VmHWM would
+# count memory freed long ago. A fixed 1 MiB threshold maps every tensor above it on its own and
+# unmaps it when freed, so resident memory follows the live tensors, which is what the plan
+# estimates (and what a GPU allocator's allocated bytes count).
+LIVE_BYTES_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 20)}
 
 
 def _status(field: str) -> int:
@@ -117,14 +131,15 @@ def probe(args: argparse.Namespace) -> None:
     role = job.roles.actor_train
     engine_name = job.engine("actor_train")
     ranks = role.parallel.dp * role.parallel.tp * role.parallel.pp
+    distributed = ranks > 1 or engine_name == "deepspeed"   # DeepSpeed needs a group, also of one rank
     world = 1
-    if ranks > 1:
+    if distributed:
         from hpcrl.runtime.mpi_world import init_torch_distributed
 
         init_torch_distributed("gloo")
         world = dist.get_world_size()
-    rank = dist.get_rank() if world > 1 else 0
-    group = dist.new_group(list(range(world))) if world > 1 else None
+    rank = dist.get_rank() if distributed else 0
+    group = dist.new_group(list(range(world))) if distributed else None
     # the engine's library is imported before the baseline, like torch and transformers
     importlib.import_module({"megatron": "megatron.core", "deepspeed": "deepspeed"}.get(engine_name, "transformers"))
     tokenizer = CharTokenizer()
@@ -189,12 +204,12 @@ def probe(args: argparse.Namespace) -> None:
              "estimate": estimate.total, "estimate_parts": dict(estimate.parts), "startup_s": startup_s,
              "step_s": step_s}
     everyone = [found]
-    if world > 1:
+    if distributed:
         everyone = [None] * world
         dist.all_gather_object(everyone, found)
     if rank == 0:
         Path(args.json).write_text(json.dumps(everyone))
-    if world > 1:
+    if distributed:
         dist.barrier()
         dist.destroy_process_group()
 
@@ -210,10 +225,9 @@ def measure(engine: str, model_dir: Path, overrides: list[str], shape: argparse.
                    "--samples", str(shape.samples), "--prompt", str(shape.prompt), "--response", str(shape.response)]
         for item in [*overrides, *extra]:
             command += ["--set", item]
-        if ranks > 1:
-            command = [mpiexec_path(), "-n", str(ranks), *command]
+        command = [mpiexec_path(), "-n", str(ranks), *command]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks)),
-               "PYTHONWARNINGS": "ignore"}
+               "PYTHONWARNINGS": "ignore", **LIVE_BYTES_MALLOC}
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
         if result.returncode != 0:
             raise SystemExit(f"{engine}: the probe failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -232,11 +246,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=96)
     parser.add_argument("--response", type=int, default=32)
     parser.add_argument("--micro", type=int, default=2, help="train.micro_batch_size")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="model.dtype: bfloat16 computes in bf16 over fp32 master weights")
     parser.add_argument("--engines", nargs="*", default=list(ENGINES))
     args = parser.parse_args()
     overrides = model_overrides(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab,
                                 args.prompt + args.response)
-    overrides += [f"train.micro_batch_size={args.micro}", f"rollout.max_new_tokens={args.response}",
+    overrides += [f"model.dtype={args.dtype}", f"train.micro_batch_size={args.micro}",
+                  f"rollout.max_new_tokens={args.response}",
                   f"train.prompts_per_step={args.samples}", "algorithm.group_size=1", "train.minibatches=1",
                   "train.ppo_epochs=1", "algorithm.kl_coef=0"]
     with tempfile.TemporaryDirectory(prefix="hpcrl-memory-") as tmp:
@@ -247,7 +264,7 @@ def main() -> None:
             print(f"measured {engine}", flush=True)
     full = rows[args.engines[0]][0]["full"]
     print(f"\nmodel: {full / GIB:.2f} GB of weights ({args.layers} layers, hidden {args.hidden}); "
-          f"{args.samples} samples x ({args.prompt} + {args.response}) tokens per rank, micro-batch {args.micro}")
+          f"{args.dtype}; {args.samples} samples x ({args.prompt} + {args.response}) tokens per rank, micro-batch {args.micro}")
     print("GB above the process baseline, per rank (worst rank):")
     print(f"{'engine':>14} {'shard':>6} {'built':>6} {'start-up':>9} {'excess':>7} {'held':>6} {'step peak':>10} "
           f"{'estimate':>9} {'est/meas':>9} {'step s':>7}")
@@ -261,10 +278,10 @@ def main() -> None:
     unit = rows[args.engines[0]][0]
     print(f"(excess: start-up peak above what the engine holds once built; the largest unit loaded whole is "
           f"{unit['largest_unit'] / GIB:.2f} GB, a decoder layer {unit['layer'] / GIB:.3f} GB)")
-    for sharded in ("fsdp2 dp2", "zero3 dp2"):
-        if "torch dp1" in rows and sharded in rows:
-            ratio = max(f["held"] for f in rows[sharded]) / rows["torch dp1"][0]["held"]
-            print(f"{sharded} holds {ratio:.2f}x of torch dp1's state per rank (weights, gradients, optimizer)")
+    for sharded, whole in (("fsdp2 dp2", "torch dp1"), ("zero3 dp2", "zero3 dp1")):
+        if whole in rows and sharded in rows:
+            ratio = max(f["held"] for f in rows[sharded]) / rows[whole][0]["held"]
+            print(f"{sharded} holds {ratio:.2f}x of {whole}'s state per rank (weights, gradients, optimizer)")
     print("\nthe estimate's parts (GB) for each layout:")
     for engine, found in rows.items():
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in found[0]["estimate_parts"].items() if v)

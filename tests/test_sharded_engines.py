@@ -6,7 +6,7 @@ one rank:
 - FSDP2 dp=2 and DeepSpeed ZeRO-3 dp=2 hold half the weights per rank and give the whole model's
   log-probabilities and weights;
 - the gradient of one optimizer step is the same for every micro-batch size and token budget
-  (torch DDP, FSDP2, Megatron tp=2);
+  (torch DDP, FSDP2, DeepSpeed ZeRO-3, Megatron tp=2), and DP's equals one rank's with all the samples;
 - bf16 jobs keep fp32 master weights: three steps at lr 1e-6 move (nearly) every weight;
 - a Hugging Face model built on a rank that also hosts a Megatron trainer gives exact logits.
 Run as a script (by the fixture) it is the MPI program; rank 0 writes the findings as JSON.
@@ -39,8 +39,10 @@ def test_a_sharded_engine_holds_half_the_weights_and_computes_what_the_whole_mod
     assert found["weights_equal_files"], found
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "megatron_tp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3", "megatron_tp2"])
 def test_the_gradient_of_a_step_does_not_depend_on_the_micro_batches(findings, engine):
+    if engine == "zero3" and "grad_zero3" not in findings:
+        pytest.skip("deepspeed is not installed")
     found = findings[f"grad_{engine}"]
     assert found["micro_batches"]["one_sample"] > found["micro_batches"]["budget"] > found["micro_batches"]["whole"]
     for cut in ("one_sample", "budget"):
@@ -120,14 +122,29 @@ def _full_grads(module) -> dict:
     return grads
 
 
-def _grad_check(make_engine, module_of, samples, rank: int, one_rank: dict | None = None) -> dict:
+def _zero3_grads(engine) -> dict:
+    """The full gradients a ZeRO-3 engine applied in its last step: DeepSpeed reduces them into
+    partitions during the backward and zeroes them in step(), so they are gathered just before it."""
+    from deepspeed.utils import safe_get_full_grad
+
+    step = engine._step
+
+    def gather_then_step():
+        engine.applied = {name: safe_get_full_grad(p).detach().clone() for name, p in engine.module.named_parameters()}
+        return step()
+
+    engine._step = gather_then_step
+    return engine
+
+
+def _grad_check(make_engine, grads_of, samples, rank: int, one_rank: dict | None = None) -> dict:
     """Train one step from the same weights under each micro-batch cut; compare the gradients with
     each other and, given `one_rank` (the gradient of one rank training on all the samples), with it."""
     grads, counts = {}, {}
     for cut, overrides in MICRO.items():
         engine = make_engine(_job(*overrides))
         metrics = engine.train_step(_shard(samples, rank), 1e-3)
-        grads[cut] = _full_grads(module_of(engine))
+        grads[cut] = grads_of(engine)
         counts[cut] = metrics.get("micro_batches")
     whole = grads["whole"]
     if one_rank is not None:
@@ -186,7 +203,7 @@ def _shim_check(files, tokenizer, rank: int, found: dict) -> None:
 
     samples = _samples(tokenizer, files, _job(), seed=3)
     # rank=0: both TP ranks of the one replica train on the same samples
-    found["grad_megatron_tp2"] = _grad_check(megatron, lambda e: e.gpt, samples, rank=0)
+    found["grad_megatron_tp2"] = _grad_check(megatron, lambda e: _full_grads(e.gpt), samples, rank=0)
     after = load_full(files, "float32")(input_ids=ids).logits
     found["shim"] = {"torch_restored": factories == (torch.zeros, torch.tensor, torch.Tensor.type,
                                                      torch.cuda.current_device),
@@ -225,8 +242,10 @@ def main(out: Path) -> None:
         alone = torch_engine(None, False)(_job())
         alone.train_step(samples, 1e-3)   # all 8 samples on this rank
         one_rank = _full_grads(alone.module)
-        found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: e.module, samples, rank, one_rank)
-        found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: e.module, samples, rank, one_rank)
+        found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: _full_grads(e.module), samples, rank,
+                                        one_rank)
+        found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: _full_grads(e.module), samples, rank,
+                                          one_rank)
         found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
         found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
         found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")
@@ -236,6 +255,10 @@ def main(out: Path) -> None:
             zero3 = DeepSpeedTrainer(files, _job(), tokenizer.pad_token_id, world, zero_stage=3)
             local = sum(p.ds_tensor.numel() for p in zero3.module.parameters())
             found["zero3"] = _sharded_check(zero3, files, samples, local)
+            # ZeRO-3's gradient hooks are made without gathering the parameters (deepspeed_grad_hooks)
+            found["grad_zero3"] = _grad_check(
+                lambda job: _zero3_grads(DeepSpeedTrainer(files, job, tokenizer.pad_token_id, world, zero_stage=3)),
+                lambda e: e.applied, samples, rank, one_rank)
         if importlib.util.find_spec("megatron") is not None:
             _shim_check(files, tokenizer, rank, found)
     except BaseException:

@@ -4,8 +4,8 @@ The minibatch loop, the micro-batches and the losses are the torch engine's (thi
 changes who holds the weights and how a step is applied), so `engine: torch` and `engine:
 deepspeed` train the same policy: ZeRO shards optimizer state (1), gradients (2) and parameters
 (3) over the DP ranks instead of replicating them. Under ZeRO-3 the model is built inside
-`deepspeed.zero.Init` (each parameter partitioned as it is created) and filled one gathered
-parameter at a time from the files. hpcrl owns the accumulation boundary
+`deepspeed.zero.Init` (each parameter partitioned as it is created) and each rank fills its own
+partitions from the files; no parameter is gathered whole at start-up (deepspeed_grad_hooks). hpcrl owns the accumulation boundary
 (`managed_gradient_accumulation: false`): one `step()` per minibatch, whatever the number of
 micro-batches. DeepSpeed runs with the role's rank group as its world (`deepspeed_world`); on
 CPU it communicates over gloo, on GPUs over NCCL.
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
+from hpcrl.engines.deepspeed_grad_hooks import hooks_without_gather
 from hpcrl.engines.deepspeed_world import scope_deepspeed_world
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.model_files import ModelFiles, load_full
@@ -29,17 +30,21 @@ from hpcrl.engines.torch_trainer import TorchTrainer, adamw
 _NEVER = 2 ** 62   # DeepSpeed's steps_per_print: hpcrl prints its own metrics
 
 
-def zero_buckets(hidden_size: int, layer_numel: int, stage: int) -> dict:
+def zero_buckets(hidden_size: int, layer_numel: int, stage: int, dp_size: int) -> dict:
     """ZeRO's communication buckets sized by the model, as transformers' "auto" values are
     (reduce bucket hidden^2, prefetch 0.9 hidden^2, small parameters kept whole below 10 hidden),
-    and at most two decoder layers' parameters gathered at once under ZeRO-3. DeepSpeed's defaults
-    (500M-element buckets, 1e9 live parameters) would hold 2 GB of fp32 buckets per rank and keep
-    a model below a billion parameters gathered whole."""
+    and under ZeRO-3 at most two decoder layers' parameters gathered at once and the optimizer
+    stepped over sub-groups of two layers. DeepSpeed's defaults (500M-element buckets, 1e9 live
+    parameters, 1e9-element sub-groups) would hold 2 GB of fp32 buckets per rank, keep a model
+    below a billion parameters gathered whole, and at start-up zero a gradient buffer as large as
+    the whole fp32 model (its size is a sub-group's full, not partitioned, numel) and run Adam's
+    temporaries over the whole partition."""
     buckets = {"reduce_bucket_size": hidden_size * hidden_size, "allgather_bucket_size": hidden_size * hidden_size}
     if stage == 3:
         buckets.update(stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
                        stage3_param_persistence_threshold=10 * hidden_size,
-                       stage3_max_live_parameters=2 * layer_numel, stage3_max_reuse_distance=2 * layer_numel)
+                       stage3_max_live_parameters=2 * layer_numel, stage3_max_reuse_distance=2 * layer_numel,
+                       sub_group_size=max(1, 2 * layer_numel // dp_size))   # counted in partitioned elements
     return buckets
 
 
@@ -109,9 +114,9 @@ class DeepSpeedTrainer(TorchTrainer):
         self.trainable = trainable
         self._host, self._away = [], False
         hf_config = files.config()
-        buckets = zero_buckets(hf_config.hidden_size, files.numel("model.layers.0."), zero_stage)
+        buckets = zero_buckets(hf_config.hidden_size, files.numel("model.layers.0."), zero_stage, self.dp_size)
         config = deepspeed_config(job, zero_stage, trainable, buckets)
-        model = self._build(files, config) if zero_stage == 3 else load_full(files, self.compute_dtype, device)
+        model = self._build(files, hf_config, config) if zero_stage == 3 else load_full(files, self.compute_dtype, device)
         if trainable:
             if job.train.recompute:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -121,14 +126,17 @@ class DeepSpeedTrainer(TorchTrainer):
             model.requires_grad_(False)
             model.eval()
             optimizer = None
-        self.model, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=config, mpu=_DataParallelOnly(dp_group), dist_init_required=False)
+        with hooks_without_gather():
+            self.model, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=config, mpu=_DataParallelOnly(dp_group),
+                dist_init_required=False)
 
     @torch.no_grad()
-    def _build(self, files: ModelFiles, config: dict) -> torch.nn.Module:
+    def _build(self, files: ModelFiles, hf_config, config: dict) -> torch.nn.Module:
         """ZeRO-3: parameters partitioned as they are created (zero.Init, with HF's own guards: no
-        random init of the empty partitions, RoPE buffers kept fp32), then each one gathered,
-        filled from the files by DP rank 0, and partitioned again: one full tensor at a time."""
+        random init of the empty partitions, RoPE buffers kept fp32), then each rank fills its own
+        partitions straight from the files (the rows that hold them): no parameter is gathered, and
+        no rank reads more than its shard plus a row per tensor."""
         import deepspeed
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
@@ -138,13 +146,16 @@ class DeepSpeedTrainer(TorchTrainer):
         # ignored on accelerators without fp16 (the CPU), where zero.Init then picks bf16.
         with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(
                 data_parallel_group=self.dp_group, config_dict_or_path=config, mpu=_DataParallelOnly(self.dp_group)):
-            model = AutoModelForCausalLM.from_config(files.config(), dtype=self.compute_dtype)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=self.compute_dtype)
         model.tie_weights()   # HF ties the head in init_weights, which no_init_weights skipped
-        first = dist.get_rank(self.dp_group) == 0
         for name, param in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if first:
-                    param.copy_(files.read(name, dtype=param.dtype))
+            # DeepSpeed's layout: rank r holds elements [r * n, (r + 1) * n) of the flattened
+            # parameter, n = ceil(numel / dp); the last rank's tail is padding
+            partition = param.ds_tensor
+            start = dist.get_rank(param.ds_process_group) * partition.ds_numel
+            count = max(0, min(partition.ds_numel, param.ds_numel - start))
+            if count:
+                partition.narrow(0, 0, count).copy_(files.read_flat(name, start, count, dtype=partition.dtype))
         return model
 
     @property

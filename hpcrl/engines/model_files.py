@@ -85,6 +85,14 @@ class ModelFiles:
                 tensor = piece[start:stop] if dim == 0 else piece[:, start:stop]
         return tensor if dtype is None else tensor.to(dtype)
 
+    def read_flat(self, name: str, start: int, count: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Elements [start, start + count) of tensor `name` flattened in row-major order (a ZeRO-3
+        partition), reading only the rows that hold them."""
+        shape = self.shape(name)
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-(start + count) // row)
+        return self.read(name, 0, first, last, dtype).reshape(-1)[start - first * row:start - first * row + count]
+
 
 def model_dir(job: JobConfig, run_dir: Path) -> Path:
     """Where this job's initial weights are: `model.path`, or the run's random init."""

@@ -22,7 +22,10 @@ shards = tp*pp.
   - deepspeed: weights bP, gradients bP, optimizer state 12P (fp32 master weights, also for an
     fp32 model, and Adam) and 8P of step transients (AdamW over the flat fp32 partition); ZeRO
     divides the optimizer state and transients by dp (stage >= 1), the gradients (stage >= 2)
-    and the weights (stage 3).
+    and the weights (stage 3). ZeRO-3 steps its optimizer one sub-group at a time (two decoder
+    layers, or the embedding alone: see deepspeed_engine.zero_buckets), so its transients are
+    12 bytes (the sub-group's flat fp32 gradient and AdamW's temporaries) per element of the
+    largest sub-group's partition instead.
   - megatron: weights bS / tp, fp32 gradient buffer 4S / tp, and the distributed optimizer's
     share (fp32 master weights when b = 2, and Adam) (4 + 8)S / tp / dp, where S is the largest
     pipeline stage's parameters: its layers and the embedding (first stage) or the output layer
@@ -261,10 +264,12 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
                 ("master+Adam", math.ceil(stage * (master + 8) / tp / dp))]
     if engine == "deepspeed":   # ZeRO keeps an fp32 master partition whatever the dtype
         zero = job.zero_stage(role)
+        stepped = params if zero < 3 else max(2 * layer_parameters(shape), shape.vocab_size * shape.hidden_size)
         return [("weights", math.ceil(params * b / (dp if zero >= 3 else 1))),
                 ("grads", math.ceil(params * b / (dp if zero >= 2 else 1))),
                 ("master+Adam", math.ceil(params * 12 / (dp if zero >= 1 else 1))),
-                ("step transients", math.ceil(params * 8 / (dp if zero >= 1 else 1)))] + gathered
+                ("step transients", math.ceil(stepped * (8 if zero < 3 else 12) / (dp if zero >= 1 else 1)))
+                ] + gathered
     # torch: fp32 master weights are the parameters; FSDP2 shards all of it over dp
     share = dp if sharded else 1
     parts = [("weights", math.ceil(params * 4 / share)), ("grads", math.ceil(params * 4 / share)),
