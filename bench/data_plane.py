@@ -55,7 +55,7 @@ def job_and_profile(args: argparse.Namespace, workdir: Path):
 name: data-plane-bench
 dataset: {{path: {workdir / 'prompts.jsonl'}}}
 model: {{hidden_size: 64, num_layers: 4, num_heads: 4, num_kv_heads: 2, max_position_embeddings: 4096}}
-algorithm: {{group_size: {args.group}, kl_coef: 0.001}}
+algorithm: {{group_size: {args.group}, kl_loss: {{coef: 0.001}}}}
 train: {{steps: {args.steps + 1}, prompts_per_step: {args.prompts}}}
 rollout: {{max_new_tokens: {args.response_len}}}
 checkpoint: {{every: 0}}

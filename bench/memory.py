@@ -255,7 +255,7 @@ def main() -> None:
     overrides += [f"model.dtype={args.dtype}", f"train.micro_batch_size={args.micro}",
                   f"rollout.max_new_tokens={args.response}",
                   f"train.prompts_per_step={args.samples}", "algorithm.group_size=1", "train.minibatches=1",
-                  "train.ppo_epochs=1", "algorithm.kl_coef=0"]
+                  "train.ppo_epochs=1", "algorithm.kl_loss.coef=0"]
     with tempfile.TemporaryDirectory(prefix="hpcrl-memory-") as tmp:
         model_dir = write_model(overrides, Path(tmp))
         rows = {}

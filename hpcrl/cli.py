@@ -48,7 +48,7 @@ def _resume_arguments(parser: argparse.ArgumentParser) -> None:
                         help="if RUN_DIR holds a run but no checkpoint it can resume from, start it over from step 0 "
                         "(its metrics move to metrics.superseded.jsonl); without it such a start is refused")
     parser.add_argument("--allow-config-change", action="append", default=[], metavar="KEY",
-                        help="resume although the job's KEY (e.g. algorithm.kl_coef, or a section: rollout) differs "
+                        help="resume although the job's KEY (e.g. algorithm.kl_loss.coef, or a section: rollout) differs "
                         "from the checkpoint's (repeatable)")
 
 

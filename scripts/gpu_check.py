@@ -237,7 +237,7 @@ def memory_check(args: argparse.Namespace) -> None:
             "model": {"arch": "qwen2", "hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 4,
                       "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": prompt + response,
                       "tie_word_embeddings": True, "dtype": "bfloat16"},
-            "algorithm": {"name": "grpo", "group_size": 1, "kl_coef": 0.0},
+            "algorithm": {"name": "grpo", "group_size": 1, "kl_loss": {"coef": 0.0}},
             "train": {"prompts_per_step": samples, "minibatches": 1, "lr": 1e-6, "micro_batch_size": 2},
             "rollout": {"max_new_tokens": response},
             "roles": {"actor_train": {"engine": engine}, "actor_infer": {"engine": "native"}},

@@ -139,10 +139,14 @@ def test_kl_k3():
     close(kl_penalty(LOGP, REF, "k3"), [1 / E, E - 2])
 
 
-def test_kl_k3_clamps_log_ratio():
-    # log-ratio 100 -> 20: exp(-20) + 20 - 1; -100 -> -20: exp(20) - 20 - 1
-    kl = kl_penalty(t([0.0, -100.0]), t([-100.0, 0.0]), "k3")
-    torch.testing.assert_close(kl, t([19.0 + math.exp(-20), math.exp(20) - 21]), rtol=1e-6, atol=0)
+def test_kl_k3_is_capped_at_10_per_token_as_verl_caps_it():
+    # log-ratio 100 -> clamped to 20: 19 + exp(-20); -100 -> -20: exp(20) - 21; both over the cap of 10;
+    # -2: exp(2) - 3 = 4.39 stays
+    logp = t([0.0, -100.0, -2.0]).requires_grad_()
+    kl = kl_penalty(logp, t([-100.0, 0.0, 0.0]), "k3")
+    torch.testing.assert_close(kl.detach(), t([10.0, 10.0, E * E - 3]), rtol=1e-6, atol=0)
+    kl.sum().backward()
+    assert logp.grad[:2].abs().max() == 0 and torch.isfinite(logp.grad).all()   # a capped token pushes no more
 
 
 def test_kl_unknown_estimator():

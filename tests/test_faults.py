@@ -147,12 +147,12 @@ def test_a_deleted_metrics_file_is_rebuilt_and_a_changed_job_needs_its_key_allow
     rebuilt = hpcrl(*args, "--set", "train.steps=3", timeout=300)
     assert rebuilt.returncode == 0 and "2 step(s) were missing; rebuilt from the checkpoint" in rebuilt.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    changed = hpcrl(*args, "--set", "train.steps=4", "--set", "algorithm.kl_coef=0.5", timeout=300)
+    changed = hpcrl(*args, "--set", "train.steps=4", "--set", "algorithm.kl_loss.coef=0.5", timeout=300)
     assert changed.returncode == 97
-    assert "changed algorithm.kl_coef: 0.001 -> 0.5" in changed.stderr
-    assert "resume anyway with --allow-config-change algorithm.kl_coef" in changed.stderr
-    allowed = hpcrl(*args, "--set", "train.steps=4", "--set", "algorithm.kl_coef=0.5",
-                    "--allow-config-change", "algorithm.kl_coef", timeout=300)
+    assert "changed algorithm.kl_loss.coef: 0.001 -> 0.5" in changed.stderr
+    assert "resume anyway with --allow-config-change algorithm.kl_loss.coef" in changed.stderr
+    allowed = hpcrl(*args, "--set", "train.steps=4", "--set", "algorithm.kl_loss.coef=0.5",
+                    "--allow-config-change", "algorithm.kl_loss.coef", timeout=300)
     assert allowed.returncode == 0 and "resuming anyway (--allow-config-change)" in allowed.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
 

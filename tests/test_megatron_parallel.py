@@ -82,7 +82,7 @@ def _job(arch: str, tied: bool):
         "name": "megatron-test", "task": {"name": "addition"},
         "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 48, "tie_word_embeddings": tied},
-        "algorithm": {"kl_coef": 0.05, "entropy_coef": 0.01},
+        "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01},
         "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
         "rollout": {"temperature": 0.9},
         "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {}},

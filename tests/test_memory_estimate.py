@@ -27,7 +27,7 @@ def measured(tmp_path_factory) -> dict:
     for layers in (4, 8):
         overrides = bench_memory.model_overrides(256, 704, layers, 4, 2, 8192, PROMPT + RESPONSE)
         overrides += [f"rollout.max_new_tokens={RESPONSE}", f"train.prompts_per_step={SAMPLES}",
-                      "algorithm.group_size=1", "train.minibatches=1", "algorithm.kl_coef=0"]
+                      "algorithm.group_size=1", "train.minibatches=1", "algorithm.kl_loss.coef=0"]
         model_dir = bench_memory.write_model(overrides, tmp_path_factory.mktemp(f"layers{layers}"))
         shape = SimpleNamespace(samples=SAMPLES, prompt=PROMPT, response=RESPONSE)
         for micro in (8, 2):

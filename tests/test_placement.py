@@ -429,7 +429,15 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
      "roles.actor_infer.parallel.tp: tp = 2, but the native sampler runs one whole copy"),
     (TINY, ["roles.actor_train.parallel.tp=2"], "roles.actor_train.parallel.tp: tp = 2, but the torch engine is "
                                                 "data parallel only"),
-    (TINY, ["roles.critic={}"], "roles.critic: PPO with a value model is not implemented yet"),
+    (TINY, ["roles.critic={}"], "roles.critic: only algorithm.advantage gae uses a critic"),
+    (TINY, ["algorithm.name=ppo"], "algorithm.advantage: gae (algorithm.name 'ppo') needs a value model"),
+    (TINY, ["algorithm.name=ppo", "roles.critic.engine=megatron"],
+     "roles.critic.engine: megatron: hpcrl builds Megatron's GPTModel with a vocabulary head only"),
+    (TINY, ["algorithm.name=gspo", "algorithm.dual_clip_c=3"], "dual_clip_c applies to policy_loss ppo_clip"),
+    (TINY, ["roles.reference=null", "algorithm.kl_loss.coef=0.01"],
+     "algorithm.kl_loss.coef: 0.01 measures the KL to the reference policy"),
+    (TINY, ["roles.actor_infer.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7"],
+     "rollout.top_p/top_k with rollout.temperature 0.7 and engine vllm"),
     (TINY, ["roles.env={}"], "roles.env: multi-turn environments are not implemented yet"),
     (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 new tokens leave no room for a prompt in the "
                                           "model's context of 64 positions (model.max_position_embeddings)"),

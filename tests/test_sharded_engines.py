@@ -80,7 +80,7 @@ def test_hf_logits_are_exact_on_a_rank_that_also_hosts_megatron(findings):
 def _job(*overrides: str):
     from hpcrl.config import load_job
 
-    base = ["train.grad_clip=null", "train.minibatches=1", "train.ppo_epochs=1", "algorithm.kl_coef=0.1",
+    base = ["train.grad_clip=null", "train.minibatches=1", "train.ppo_epochs=1", "algorithm.kl_loss.coef=0.1",
             "model.num_layers=3"]   # tied embeddings (the head is the embedding: one parameter to shard)
     return load_job(REPO / "jobs" / "tiny_grpo.yaml", [*base, *overrides])
 

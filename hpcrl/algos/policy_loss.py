@@ -9,6 +9,7 @@ Logprobs may hold anything on padding; advantages and importance weights must be
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -16,6 +17,7 @@ from torch import Tensor
 from hpcrl.algos.aggregation import aggregate_loss
 from hpcrl.algos.kl import LOG_RATIO_LIMIT
 from hpcrl.algos.masked import masked_mean
+from hpcrl.algos.registry import lookup
 
 
 def _log_ratio(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
@@ -49,11 +51,12 @@ def _finish(
     agg: str,
     global_token_count: float | None,
     importance_weights: Tensor | None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Weight, aggregate, and report the metrics common to all clipped losses."""
     if importance_weights is not None:
         loss_mat = loss_mat * importance_weights
-    loss = aggregate_loss(loss_mat, response_mask, agg, global_token_count)
+    loss = aggregate_loss(loss_mat, response_mask, agg, global_token_count, norm_length)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean(was_clipped.to(ratio.dtype), response_mask).item(),
@@ -74,6 +77,7 @@ def ppo_clip_loss(
     agg: str = "token-mean",
     global_token_count: float | None = None,
     importance_weights: Tensor | None = None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate on per-token ratios ``pi / pi_old`` (Schulman et al. 2017).
 
@@ -95,7 +99,7 @@ def ppo_clip_loss(
         loss_mat = torch.where(advantages < 0, dual, loss_mat)
     return _finish(
         loss_mat, log_ratio, ratio, was_clipped, response_mask, agg, global_token_count,
-        importance_weights,
+        importance_weights, norm_length,
     )
 
 
@@ -109,6 +113,7 @@ def gspo_loss(
     agg: str = "seq-mean-token-mean",
     global_token_count: float | None = None,
     importance_weights: Tensor | None = None,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): clip one sequence-level ratio instead of per-token ratios.
 
@@ -126,8 +131,51 @@ def gspo_loss(
     loss_mat, was_clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     return _finish(
         loss_mat, log_ratio, ratio, was_clipped, response_mask, agg, global_token_count,
-        importance_weights,
+        importance_weights, norm_length,
     )
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+    agg: str = "token-mean",
+    global_token_count: float | None = None,
+    importance_weights: Tensor | None = None,
+    norm_length: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped ratio, held constant.
+
+    ``-sg(clip(r, 1 - low, 1 + high)) * A * log pi`` per token. PPO's clip zeroes the gradient of
+    a token whose ratio left the trust region, and the rare tokens that start a reflection
+    ("wait", "however") leave it first; CISPO keeps every token's gradient and bounds only its
+    weight. Defaults: no lower bound (low = 1, as the paper) and DAPO's upper 0.28. "clipfrac"
+    counts the tokens whose weight was cut.
+    """
+    log_ratio = _log_ratio(logprobs, old_logprobs)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.detach().clamp(1 - clip_low, 1 + clip_high)
+    was_clipped = (ratio.detach() > 1 + clip_high) | (ratio.detach() < 1 - clip_low)
+    loss_mat = -advantages * weight * logprobs
+    return _finish(
+        loss_mat, log_ratio, ratio, was_clipped, response_mask, agg, global_token_count,
+        importance_weights, norm_length,
+    )
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
+}
+
+
+def policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, float]]]:
+    """The policy loss called ``name`` (the keys of POLICY_LOSSES: `algorithm.policy_loss`)."""
+    return lookup(POLICY_LOSSES, name, "policy loss")
 
 
 @torch.no_grad()

@@ -239,7 +239,7 @@ class CheckpointStore:
 
         config_hash: the current job's `config_hash(...)`. If the newest intact checkpoint differs,
         raise ConfigMismatchError (resuming would mix two experiments) unless every changed field
-        matches one of `allowed_changes` (key patterns such as `algorithm.kl_coef` or `rollout`;
+        matches one of `allowed_changes` (key patterns such as `algorithm.kl_loss.coef` or `rollout`;
         the user's --allow-config-change), which records a warning and resumes. Give `config` (the
         resolved job dict) to name the changed fields when the checkpoint stored its job as
         `extra["config"]`; without it no change can be allowed.

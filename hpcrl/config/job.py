@@ -15,6 +15,7 @@ from hpcrl.config.base import (
     Schema,
     UnitInterval,
 )
+from hpcrl.config.algorithms import apply_preset, resolve_kl
 from hpcrl.engines.capabilities import parallel_refusals, role_refusals
 
 RoleName = Literal["actor_train", "actor_infer", "reference", "critic", "reward", "env"]
@@ -81,19 +82,76 @@ class DatasetConfig(Schema):
     answer_key: str = "answer"
 
 
+class KLLossConfig(Schema):
+    """KL to the reference as a loss term (GRPO's form): coef * aggregate(KL estimate) per token."""
+
+    coef: NonNegativeFloat = 0.0
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="k3: unbiased, low variance, >= 0 (clamped to "
+                                                 "10 per token, as verl clamps it); k2: 0.5 * log-ratio^2")
+
+
+class KLRewardConfig(Schema):
+    """KL to the reference as a per-token penalty in the reward (PPO's and REINFORCE++'s form)."""
+
+    coef: NonNegativeFloat = Field(0.0, description="the initial coefficient when target is set")
+    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="k1: log pi - log pi_ref per token")
+    target: PositiveFloat | None = Field(None, description="adaptive controller (Ziegler et al. 2019): move coef so "
+                                         "that the mean sequence KL approaches this; unset: a fixed coef")
+    horizon: PositiveInt = Field(10000, description="adaptive controller: samples over which coef may change by "
+                                 "up to 20%")
+
+
 class AlgorithmConfig(Schema):
-    name: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    """`name` picks a preset (hpcrl.config.algorithms.PRESETS); every other field overrides it."""
+
+    name: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo"] = "grpo"
     group_size: PositiveInt = Field(8, description="responses sampled per prompt")
-    normalize_std: bool = True
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="gae needs roles.critic; grpo and rloo compare the responses of a prompt; reinforce_pp "
+                            "whitens returns over the batch")
+    normalize_std: bool = Field(True, description="advantage grpo: divide by the group's std (false: Dr. GRPO)")
+    gamma: Annotated[float, Field(ge=0, le=1)] = Field(1.0, description="advantage gae and reinforce_pp: discount")
+    lam: Annotated[float, Field(ge=0, le=1)] = Field(0.95, description="advantage gae: GAE's lambda")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = Field(
+        "ppo_clip", description="ppo_clip: per-token clipped ratio; gspo: clipped sequence ratio; cispo: REINFORCE "
+                                "with the clipped ratio as a constant weight (no token loses its gradient)")
     clip_low: PositiveFloat = 0.2
     clip_high: PositiveFloat = 0.2
-    dual_clip_c: PositiveFloat | None = None
-    kl_coef: NonNegativeFloat = 0.0
+    dual_clip_c: PositiveFloat | None = Field(None, description="policy_loss ppo_clip: bound negative-advantage "
+                                              "tokens' loss at c * |A| (c > 1)")
+    kl_loss: KLLossConfig = KLLossConfig()
+    kl_in_reward: KLRewardConfig = KLRewardConfig()
     entropy_coef: NonNegativeFloat = Field(0.0, description="entropy bonus: keeps exploring instead of collapsing")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="seq-mean-token-sum-norm divides each sequence's sum by rollout.max_new_tokens "
+                                  "(Dr. GRPO)")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal (DAPO)")
+    overlong_shaping: bool = Field(False, description="DAPO's soft overlong punishment: a response longer than "
+                                   "rollout.max_new_tokens - overlong_buffer_len loses up to overlong_penalty")
+    overlong_buffer_len: NonNegativeInt | None = Field(None, description="default: rollout.max_new_tokens // 5")
+    overlong_penalty: PositiveFloat = 1.0
+    value_clip: PositiveFloat = Field(0.2, description="advantage gae: clip the critic's new values to this "
+                                      "distance from the old ones in the value loss")
+    critic_warmup_steps: NonNegativeInt = Field(0, description="advantage gae: train only the critic for this many "
+                                                "steps")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, raw: Any) -> Any:
+        return apply_preset(raw)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgorithmConfig":
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c: {self.dual_clip_c} must exceed 1 (it bounds the loss at c * |A|)")
+        if self.policy_loss != "cispo" and self.clip_low >= 1:
+            raise ValueError(f"clip_low: {self.clip_low} would let the ratio fall to 0 or below; use a "
+                             "value below 1")
+        return self
+
+    def overlong_buffer(self, max_new_tokens: int) -> int:
+        """DAPO's L_cache: the last tokens of the budget over which the overlong penalty grows."""
+        return self.overlong_buffer_len if self.overlong_buffer_len is not None else max_new_tokens // 5
 
 
 class TrainConfig(Schema):
@@ -102,6 +160,8 @@ class TrainConfig(Schema):
     ppo_epochs: PositiveInt = 1
     minibatches: PositiveInt = Field(1, description="optimizer steps per epoch over the rollout batch")
     lr: PositiveFloat = 1e-3
+    critic_lr: PositiveFloat | None = Field(None, description="the critic's learning rate, on the same schedule "
+                                            "(unset: lr); a value model usually takes a larger one than the policy")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="per RL step, after the warmup: keep lr, or decay it to lr * min_lr_ratio at the "
                                 "last step")
@@ -127,7 +187,7 @@ class RolloutConfig(Schema):
     top_k: NonNegativeInt = 0
     max_staleness: NonNegativeInt = Field(0, description="policy versions a consumed sample may lag (0: synchronous)")
     is_correction: Literal["ppo", "tis", "mis", "seq-tis"] = Field(
-        "ppo", description="stale samples: ppo takes the loss's ratio against the behaviour policy, so the clip "
+        "ppo", description="stale samples (and fresh ones under mismatch_correction): ppo takes the loss's ratio against the behaviour policy, so the clip "
                            "bounds the whole move from the policy that sampled; tis, mis and seq-tis take the ratio "
                            "against the trainer's recomputed policy and weight each token by pi_old/pi_behaviour, "
                            "truncated at is_cap (tis), dropped outside [1/is_cap, is_cap] (mis), or the sequence's "
@@ -135,6 +195,10 @@ class RolloutConfig(Schema):
                            "(synchronous: 0.886)")
     is_cap: PositiveFloat = Field(10.0, description="bound of the importance weight pi_old/pi_behaviour for tis, mis "
                                   "and seq-tis (tiny job at a constant lr, seed 1: 0.77 with a cap of 2, 0.85 with 10)")
+    mismatch_correction: Literal["auto", "on", "off"] = Field(
+        "auto", description="apply is_correction to fresh samples too: the rollout engine's log-probabilities "
+                            "differ from the trainer's (kernels, precision) even at the same weights. auto: on for "
+                            "engine vllm, off for native (the trainer's own code)")
     max_refills: NonNegativeInt = Field(10, description="dynamic sampling: extra generation rounds per batch")
     sync_timeout_s: PositiveFloat = Field(300.0, description="timeout of one collective of the weight sync: a "
                                           "sync starts only when rollout is between rounds, so it bounds a hung "
@@ -245,8 +309,17 @@ class JobConfig(Schema):
     roles: Roles
     sweep: dict[str, list[Any]] | None = Field(None, description="key path -> values; one array task per combination")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kl_needs_a_reference(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("roles"), dict):
+            has_reference = raw["roles"].get("reference") is not None
+            return {**raw, "algorithm": resolve_kl(raw.get("algorithm", {}), has_reference)}
+        return raw
+
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":
+        self._check_algorithm_roles()
         if (self.task is None) == (self.dataset is None):
             raise ValueError("give exactly one of 'task' (a built-in task) or 'dataset' (a prompt file)")
         for name, role in self.roles.items():
@@ -263,10 +336,35 @@ class JobConfig(Schema):
             if engine == "torch" and name in ("actor_train", "critic") and self.model.dtype == "float16":
                 raise ValueError(f"model.dtype: float16 training needs loss scaling, which the torch engine (roles."
                                  f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")
-            refused = role_refusals(name) + parallel_refusals(name, engine, role.parallel.model_dump())
+            refused = role_refusals(name, engine) + parallel_refusals(name, engine, role.parallel.model_dump())
             if refused:   # the model's sizes are checked by the plan (hpcrl.placement), from the same table
                 raise ValueError("; ".join(refused))
         return self
+
+    def _check_algorithm_roles(self) -> None:
+        """The roles an algorithm needs, and the sampling whose log-probabilities the trainer can match."""
+        algo = self.algorithm
+        if algo.advantage == "gae" and self.roles.critic is None:
+            raise ValueError(f"algorithm.advantage: gae (algorithm.name {algo.name!r}) needs a value model: add "
+                             "roles.critic (e.g. {engine: torch, colocate_with: actor_train}), or use an advantage "
+                             "without one (grpo, rloo, reinforce_pp)")
+        if algo.advantage != "gae" and self.roles.critic is not None:
+            raise ValueError(f"roles.critic: only algorithm.advantage gae uses a critic (this job's advantage is "
+                             f"{algo.advantage!r}); remove roles.critic, or set algorithm.name: ppo")
+        if self.roles.reference is None:
+            for key in ("kl_loss", "kl_in_reward"):
+                if getattr(algo, key).coef > 0:
+                    raise ValueError(f"algorithm.{key}.coef: {getattr(algo, key).coef} measures the KL to the "
+                                     "reference policy, and the job has no roles.reference; add one (e.g. {engine: "
+                                     "torch, colocate_with: actor_train}) or set the coef to 0")
+        rollout = self.rollout
+        filtered = rollout.top_p < 1 or rollout.top_k > 0
+        if self.engine("actor_infer") == "vllm" and filtered and rollout.temperature != 1:
+            raise ValueError(f"rollout.top_p/top_k with rollout.temperature {rollout.temperature} and engine vllm: "
+                             "vLLM's log-probabilities are either raw (before temperature) or of the top-p/top-k "
+                             "filtered distribution, neither the trainer's log softmax(logits / T), so the ratio "
+                             "and the off-policy weights would be biased; set temperature: 1, or top_p: 1 and "
+                             "top_k: 0")
 
     def engine(self, role: str) -> str:
         config = getattr(self.roles, role)
@@ -279,6 +377,11 @@ class JobConfig(Schema):
         if engine == "deepspeed":
             return config.zero_stage or 2
         return 3 if engine == "torch" and config.fsdp else 0
+
+    def corrects_mismatch(self) -> bool:
+        """Whether behaviour log-probabilities correct fresh samples too (rollout.mismatch_correction)."""
+        setting = self.rollout.mismatch_correction
+        return setting == "on" or (setting == "auto" and self.engine("actor_infer") != "native")
 
     def stages(self, role: str) -> tuple[str, ...]:
         config = getattr(self.roles, role)

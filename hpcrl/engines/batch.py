@@ -104,3 +104,12 @@ def response_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], te
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], use_cache=False, logits_to_keep=response_len + 1).logits
     return chunked_token_stats(logits[:, :-1], batch["response_ids"], temperature, with_entropy)
+
+
+def response_values(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A critic's values [N, R] of the states before each response token: the head's output at
+    the columns whose logits a policy would use to predict those tokens (response_logprobs)."""
+    response_len = batch["response_ids"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"]).logits
+    return out[:, -response_len - 1:-1, 0].float()

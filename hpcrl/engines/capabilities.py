@@ -22,10 +22,13 @@ _MISSING = {
     ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",
 }
 # Roles the runtime implements; the schema names the others so that jobs can be written ahead.
-IMPLEMENTED_ROLES = ("actor_train", "actor_infer", "reference", "reward")
-_PLANNED = {"critic": "PPO with a value model is not implemented yet; GRPO, DAPO and GSPO need no critic",
-            "env": "multi-turn environments are not implemented yet; the built-in tasks and datasets are "
+IMPLEMENTED_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward")
+_PLANNED = {"env": "multi-turn environments are not implemented yet; the built-in tasks and datasets are "
                    "single-turn"}
+# (role, engine) pairs an engine cannot host, and why.
+_ROLE_ENGINE = {("critic", "megatron"): "hpcrl builds Megatron's GPTModel with a vocabulary head only, no value "
+                                        "head; give the critic engine: torch (fsdp: true to shard it) or deepspeed "
+                                        "(its engine may differ from the actor's)"}
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,13 @@ class ModelDims:
     num_layers: int
 
 
-def role_refusals(role: str) -> list[str]:
-    """Why `role` cannot run at all (empty when it can)."""
-    if role in IMPLEMENTED_ROLES:
-        return []
-    return [f"roles.{role}: {_PLANNED.get(role, 'no implementation')}; remove the role"]
+def role_refusals(role: str, engine: str) -> list[str]:
+    """Why `role` cannot run at all, or not on `engine` (empty when it can)."""
+    if role not in IMPLEMENTED_ROLES:
+        return [f"roles.{role}: {_PLANNED.get(role, 'no implementation')}; remove the role"]
+    if (role, engine) in _ROLE_ENGINE:
+        return [f"roles.{role}.engine: {engine}: {_ROLE_ENGINE[role, engine]}"]
+    return []
 
 
 def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims: ModelDims | None = None

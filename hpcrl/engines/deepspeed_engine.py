@@ -24,7 +24,7 @@ from hpcrl.config.job import JobConfig
 from hpcrl.engines.deepspeed_grad_hooks import hooks_without_gather
 from hpcrl.engines.deepspeed_world import scope_deepspeed_world
 from hpcrl.engines.hf_model import DTYPES
-from hpcrl.engines.model_files import ModelFiles, load_full
+from hpcrl.engines.model_files import ModelFiles, load_full, model_from_config
 from hpcrl.engines.torch_trainer import TorchTrainer, adamw
 
 _NEVER = 2 ** 62   # DeepSpeed's steps_per_print: hpcrl prints its own metrics
@@ -94,8 +94,10 @@ class _DataParallelOnly:
 
 class DeepSpeedTrainer(TorchTrainer):
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup,
-                 device: str | torch.device = "cpu", trainable: bool = True, zero_stage: int = 2):
-        """`dp_group` is always a group here, also of one rank: DeepSpeed's world (see deepspeed_world)."""
+                 device: str | torch.device = "cpu", trainable: bool = True, zero_stage: int = 2,
+                 value_head: bool = False):
+        """`dp_group` is always a group here, also of one rank: DeepSpeed's world (see deepspeed_world).
+        `value_head`: the critic, as in TorchTrainer."""
         device = torch.device(device)
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
         os.environ["LOCAL_RANK"] = str(device.index or 0)
@@ -112,11 +114,13 @@ class DeepSpeedTrainer(TorchTrainer):
         self.stage = zero_stage
         self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
         self.trainable = trainable
+        self.value_head = value_head
         self._host, self._away = [], False
         hf_config = files.config()
         buckets = zero_buckets(hf_config.hidden_size, files.numel("model.layers.0."), zero_stage, self.dp_size)
         config = deepspeed_config(job, zero_stage, trainable, buckets)
-        model = self._build(files, hf_config, config) if zero_stage == 3 else load_full(files, self.compute_dtype, device)
+        model = (self._build(files, hf_config, config) if zero_stage == 3
+                 else load_full(files, self.compute_dtype, device, value_head))
         if trainable:
             if job.train.recompute:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -138,7 +142,6 @@ class DeepSpeedTrainer(TorchTrainer):
         partitions straight from the files (the rows that hold them): no parameter is gathered, and
         no rank reads more than its shard plus a row per tensor."""
         import deepspeed
-        from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
@@ -146,7 +149,7 @@ class DeepSpeedTrainer(TorchTrainer):
         # ignored on accelerators without fp16 (the CPU), where zero.Init then picks bf16.
         with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(
                 data_parallel_group=self.dp_group, config_dict_or_path=config, mpu=_DataParallelOnly(self.dp_group)):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=self.compute_dtype)
+            model = model_from_config(hf_config, self.compute_dtype, self.value_head)
         model.tie_weights()   # HF ties the head in init_weights, which no_init_weights skipped
         for name, param in model.named_parameters():
             # DeepSpeed's layout: rank r holds elements [r * n, (r + 1) * n) of the flattened

@@ -31,12 +31,12 @@ def fully_shard_model(model: torch.nn.Module, dp_group: dist.ProcessGroup, devic
 
 @torch.no_grad()
 def load_sharded(files: ModelFiles, dp_group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The HF model sharded over `dp_group` with parameters in `dtype`, each rank's Shard(0) slice
-    read straight from the safetensors files."""
+                 compute_dtype: torch.dtype | None = None, value_head: bool = False) -> torch.nn.Module:
+    """The HF model (the critic with `value_head`) sharded over `dp_group` with parameters in
+    `dtype`, each rank's Shard(0) slice read straight from the safetensors files."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    model = empty_model(files, dtype)
+    model = empty_model(files, dtype, value_head)
     fully_shard_model(model, dp_group, device, compute_dtype)
     model.to_empty(device=device)
     init_buffers(model)

@@ -7,6 +7,7 @@ those bytes), so a rank that holds a shard never materialises the full model.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from hpcrl.engines.hf_model import DTYPES, random_model
 INIT_DIR = "model-init"
 _INIT_STAMP = "hpcrl-init.json"
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+VALUE_HEAD = ("score.weight", "score.bias")   # a critic's head (transformers' *ForTokenClassification, one label)
 
 
 @dataclass
@@ -63,8 +65,14 @@ class ModelFiles:
             raise KeyError(f"{self.path}: no tensor {name!r} in the safetensors files")
         return self._where[name], name
 
+    def _new_value_head(self, name: str) -> bool:
+        """A critic built from a policy's files: its value head is not in them and starts at 0."""
+        return name in VALUE_HEAD and name not in self._where
+
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, from the file's header (no data read)."""
+        if self._new_value_head(name):
+            return (1, self.config().hidden_size) if name.endswith("weight") else (1,)
         file, stored = self._file_of(name)
         with safe_open(file, framework="pt") as handle:
             return tuple(handle.get_slice(stored).get_shape())
@@ -75,7 +83,11 @@ class ModelFiles:
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None,
              dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Tensor `name`, or only its rows/columns [start, stop) along `dim` (0 or 1), cast to `dtype`."""
+        """Tensor `name`, or only its rows/columns [start, stop) along `dim` (0 or 1), cast to `dtype`.
+        A critic's value head that the files lack reads as zeros: every value starts at 0."""
+        if self._new_value_head(name):
+            whole = torch.zeros(self.shape(name), dtype=dtype or torch.float32)
+            return whole if dim is None else whole.narrow(dim, start, (stop or whole.shape[dim]) - start)
         file, stored = self._file_of(name)
         with safe_open(file, framework="pt") as handle:
             if dim is None:
@@ -139,12 +151,13 @@ def save_model(model: torch.nn.Module, path: Path) -> Path:
 
 
 @torch.no_grad()
-def load_full(files: ModelFiles, dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_full(files: ModelFiles, dtype: torch.dtype | str, device: torch.device | str = "cpu",
+              value_head: bool = False) -> torch.nn.Module:
     """The whole HF model in `dtype` on `device`: for a rank that keeps all of it (a DDP replica,
     a native sampler, a reference without FSDP). Allocated once on `device`, then filled tensor by
-    tensor: no second copy in host memory."""
+    tensor: no second copy in host memory. `value_head`: the critic (see `model_from_config`)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    model = empty_model(files, dtype)
+    model = empty_model(files, dtype, value_head)
     model.to_empty(device=device)
     model.tie_weights()   # to_empty gives every module a new tensor: tie the head to the embedding again
     init_buffers(model)
@@ -153,12 +166,23 @@ def load_full(files: ModelFiles, dtype: torch.dtype | str, device: torch.device 
     return model
 
 
-def empty_model(files: ModelFiles, dtype: torch.dtype) -> torch.nn.Module:
+def empty_model(files: ModelFiles, dtype: torch.dtype, value_head: bool = False) -> torch.nn.Module:
     """The HF model on the meta device (no storage): to be sharded, then filled by its shards."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(files.config(), dtype=dtype)
+        return model_from_config(files.config(), dtype, value_head)
+
+
+def model_from_config(config, dtype: torch.dtype, value_head: bool = False) -> torch.nn.Module:
+    """The policy (a causal LM) or, with `value_head`, the critic: the same decoder with a linear
+    head to one value per position instead of the vocabulary (transformers' *ForTokenClassification
+    with one label, as verl builds its critic; dropout off, so that values are deterministic)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if not value_head:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config = copy.deepcopy(config)
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    return AutoModelForTokenClassification.from_config(config, dtype=dtype)
 
 
 @torch.no_grad()

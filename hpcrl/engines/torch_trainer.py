@@ -22,14 +22,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
-from hpcrl.engines.batch import pack, response_logprobs, right_pad, unpad
+from hpcrl.engines.batch import pack, response_logprobs, response_values, right_pad, unpad
 from hpcrl.engines.fsdp import load_sharded
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.micro_batches import MicroBatching, micro_batching
 from hpcrl.engines.model_files import ModelFiles, load_full
 from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
-from hpcrl.engines.objective import combine_micro_metrics, policy_objective
+from hpcrl.engines.objective import combine_micro_metrics, policy_objective, value_objective
 from hpcrl.ragged import Ragged
 
 
@@ -76,12 +76,15 @@ def _split_further(cut: MicroBatching, prompt_lengths: np.ndarray, response_leng
 
 
 class TorchTrainer:
-    """One model replica (DDP) or shard (FSDP2) per DP rank, built from `files`."""
+    """One model replica (DDP) or shard (FSDP2) per DP rank, built from `files`: the policy, or with
+    `value_head` the critic (its `values` and a value-loss `train_step` instead of log-probs)."""
 
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
-                 device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False):
+                 device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False,
+                 value_head: bool = False):
         """fsdp: shard with FSDP2 over `dp_group` (each decoder layer a unit) instead of DDP replicas."""
         self.job = job
+        self.value_head = value_head
         self.pad_id = pad_id
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -93,9 +96,9 @@ class TorchTrainer:
         self.gathers_over_dp = fsdp and self.dp_size > 1
         if self.gathers_over_dp:
             model = load_sharded(files, dp_group, self.device, master,
-                                 self.compute_dtype if master != self.compute_dtype else None)
+                                 self.compute_dtype if master != self.compute_dtype else None, value_head)
         else:
-            model = load_full(files, master, self.device)
+            model = load_full(files, master, self.device, value_head)
         self._autocast = not self.gathers_over_dp and master != self.compute_dtype
         self.model = model
         self.optimizer = None
@@ -154,22 +157,35 @@ class TorchTrainer:
         columns = {k: right_pad(v.take(rows), 0.0, torch.float32, width) for k, v in samples.columns.items()}
         return self._to_device(batch), self._to_device(columns)
 
+    def _autocast_scope(self):
+        return torch.autocast(self.device.type, dtype=self.compute_dtype) if self._autocast else nullcontext()
+
     def _forward(self, batch: dict[str, torch.Tensor], with_entropy: bool):
-        autocast = torch.autocast(self.device.type, dtype=self.compute_dtype) if self._autocast else nullcontext()
-        with autocast:
+        with self._autocast_scope():
             return response_logprobs(self.model, batch, self.job.rollout.temperature, with_entropy)
 
+    def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self._autocast_scope():
+            return response_values(self.model, batch)
+
     @torch.no_grad()
-    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
-        """Per-token log-probabilities of the responses under the current weights, micro-batch by micro-batch."""
+    def _per_token(self, prompt_ids: Ragged, response_ids: Ragged, compute) -> Ragged:
+        """`compute(batch)` -> [n, R] of every response token, micro-batch by micro-batch, in row order."""
         samples = Samples(prompt_ids, response_ids, {})
         groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group, self.device)
         parts = []
         for rows in groups:
             batch, _ = self._micro_batch(samples, rows)
-            logp, _ = self._forward(batch, with_entropy=False)
-            parts.append(unpad(logp, response_ids.lengths[rows]))
+            parts.append(unpad(compute(batch), response_ids.lengths[rows]))
         return Ragged.concat(parts).take(np.argsort(np.concatenate(groups), kind="stable"))
+
+    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
+        """Per-token log-probabilities of the responses under the current weights."""
+        return self._per_token(prompt_ids, response_ids, lambda batch: self._forward(batch, with_entropy=False)[0])
+
+    def values(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
+        """The critic's value of the state before each response token."""
+        return self._per_token(prompt_ids, response_ids, self._values)
 
     def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in tensors.items()}
@@ -184,7 +200,7 @@ class TorchTrainer:
 
     def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
         """`ppo_epochs` passes over the shard, each in `minibatches` optimizer steps at rate `lr`."""
-        algo, train = self.job.algorithm, self.job.train
+        train = self.job.train
         set_learning_rate(self.optimizer, lr)
         n = len(samples.prompt_ids)
         if n % train.minibatches:
@@ -202,12 +218,7 @@ class TorchTrainer:
                 self._zero_grad()
                 for i, rows in enumerate(groups):
                     batch, columns = self._micro_batch(minibatch, rows)
-                    # without an entropy bonus the entropy is only logged, on the first micro-batch's tokens
-                    logp, entropy = self._forward(batch, with_entropy=algo.entropy_coef > 0 or i == 0)
-                    if entropy is not None and algo.entropy_coef == 0:
-                        entropy = entropy.detach()
-                    loss, metrics = policy_objective(logp, entropy, columns, batch["response_mask"], algo,
-                                                     tokens, sequences)
+                    loss, metrics = self._micro_loss(batch, columns, i == 0, tokens, sequences)
                     # DP averages gradients; the shares are already normalised by the global totals
                     self._backward(loss * self.dp_size, last=i == len(groups) - 1)
                     outputs.append(metrics)
@@ -220,6 +231,18 @@ class TorchTrainer:
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))
         return {key: sum(values) / len(values) for key, values in history.items()}
+
+    def _micro_loss(self, batch: dict[str, torch.Tensor], columns: dict[str, torch.Tensor], first: bool,
+                    tokens: float, sequences: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's share of the minibatch's loss (hpcrl.engines.objective), and its metrics."""
+        if self.value_head:
+            return value_objective(self._values(batch), columns, batch["response_mask"], self.job, tokens, sequences)
+        # without an entropy bonus the entropy is only logged, on the first micro-batch's tokens
+        bonus = self.job.algorithm.entropy_coef > 0
+        logp, entropy = self._forward(batch, with_entropy=bonus or first)
+        if entropy is not None and not bonus:
+            entropy = entropy.detach()
+        return policy_objective(logp, entropy, columns, batch["response_mask"], self.job, tokens, sequences)
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -108,8 +108,8 @@ def _check_capabilities(roles: dict[str, _Role], shape: ModelShape) -> None:
     for the resolved sizes (a colocated role inherits its target's)."""
     dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers)
     for role in roles.values():
-        refused = role_refusals(role.name) + parallel_refusals(role.name, role.engine, role.parallel.model_dump(),
-                                                               dims)
+        refused = role_refusals(role.name, role.engine) + parallel_refusals(
+            role.name, role.engine, role.parallel.model_dump(), dims)
         if refused:
             raise PlacementError("; ".join(refused))
 

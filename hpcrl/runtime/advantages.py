@@ -2,38 +2,61 @@
 
 Token columns are packed (`hpcrl.ragged`): sequence-level advantages are repeated onto their
 tokens, token-level ones computed on one padded [N, T] tensor; no Python loop over tokens.
+
+The reward of a response sits on its last token; `algorithm.kl_in_reward` subtracts its per-token
+KL penalty from every token's reward. Sequence-level estimators (GRPO, RLOO) take the sum of a
+response's token rewards as its reward, as verl does, so the KL in the reward means the same for
+every estimator. The KL loss (`algorithm.kl_loss`) is the trainer's (engines/objective.py): each
+algorithm's KL is counted once, where its preset puts it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hpcrl.algos import grpo_advantages, kl_penalty, reinforce_pp_advantages, rloo_advantages
+from hpcrl.algos import gae_advantages, grpo_advantages, kl_penalty, reinforce_pp_advantages, rloo_advantages
 from hpcrl.config.job import AlgorithmConfig
 from hpcrl.engines.batch import length_mask, right_pad
 from hpcrl.ragged import Ragged
 
 
+@dataclass
+class Advantages:
+    columns: dict[str, Ragged]   # "advantages", and "returns" for the critic (gae)
+    sequence_kl: float           # mean over responses of the summed KL to the reference (0 without one)
+
+
 def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np.ndarray, old_logprobs: Ragged,
-                     ref_logprobs: Ragged | None) -> Ragged:
-    """Advantages on every response token (on `old_logprobs`' rows). GRPO and RLOO are
-    sequence-level and repeated onto the tokens; REINFORCE++ puts the reward on the last token,
-    the KL penalty on every token, and whitens."""
-    reward_t = torch.as_tensor(rewards, dtype=torch.float32)
-    groups_t = torch.as_tensor(group_index, dtype=torch.long)
+                     ref_logprobs: Ragged | None, values: Ragged | None, kl_in_reward_coef: float) -> Advantages:
+    """Advantages on every response token (on `old_logprobs`' rows); with gae also the returns."""
     lengths = old_logprobs.lengths
-    if algo.name in ("grpo", "rloo"):
-        per_sequence = (grpo_advantages(reward_t, groups_t, normalize_std=algo.normalize_std) if algo.name == "grpo"
-                        else rloo_advantages(reward_t, groups_t))
-        return old_logprobs.with_values(np.repeat(per_sequence.numpy(), lengths))
     mask = length_mask(lengths)
     token_rewards = torch.zeros_like(mask)
     last = torch.as_tensor(lengths - 1).clamp(min=0)
-    token_rewards[torch.arange(len(rewards)), last] = reward_t
-    if ref_logprobs is not None and algo.kl_coef > 0:
+    token_rewards[torch.arange(len(rewards)), last] = torch.as_tensor(rewards, dtype=torch.float32)
+    sequence_kl = 0.0
+    if ref_logprobs is not None:
         old, ref = right_pad(old_logprobs, 0.0, torch.float32), right_pad(ref_logprobs, 0.0, torch.float32)
-        token_rewards -= algo.kl_coef * kl_penalty(old, ref, algo.kl_estimator) * mask
-    return Ragged.from_padded(reinforce_pp_advantages(token_rewards, mask).numpy(), lengths)
+        kl = kl_penalty(old, ref, algo.kl_in_reward.estimator) * mask
+        sequence_kl = float(kl.sum(-1).mean()) if len(rewards) else 0.0
+        if kl_in_reward_coef > 0:
+            token_rewards -= kl_in_reward_coef * kl
+    if algo.advantage in ("grpo", "rloo"):
+        reward_t = token_rewards.sum(-1)
+        groups_t = torch.as_tensor(group_index, dtype=torch.long)
+        per_sequence = (grpo_advantages(reward_t, groups_t, normalize_std=algo.normalize_std)
+                        if algo.advantage == "grpo" else rloo_advantages(reward_t, groups_t))
+        return Advantages({"advantages": old_logprobs.with_values(np.repeat(per_sequence.numpy(), lengths))},
+                          sequence_kl)
+    if algo.advantage == "reinforce_pp":
+        advantages = reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+        return Advantages({"advantages": Ragged.from_padded(advantages.numpy(), lengths)}, sequence_kl)
+    advantages, returns = gae_advantages(token_rewards, right_pad(values, 0.0, torch.float32), mask, algo.gamma,
+                                         algo.lam)
+    return Advantages({"advantages": Ragged.from_padded(advantages.numpy(), lengths),
+                       "returns": Ragged.from_padded(returns.numpy(), lengths)}, sequence_kl)
 
 
 def mean_kl(old_logprobs: Ragged, ref_logprobs: Ragged, estimator: str) -> float:

@@ -23,10 +23,12 @@ from statistics import fmean, pstdev
 from typing import Any
 
 import numpy as np
+import torch
 
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal, clear_control, control_reason, read_control
 from hpcrl.config.constants import EXIT_STOPPED
 from hpcrl.config.job import JobConfig
+from hpcrl.algos import adaptive_kl_coef, overlong_penalty
 from hpcrl.data import ResumableSampler, SamplerState, fit_context, load_prompts
 from hpcrl.engines.digests import combine_digests
 from hpcrl.engines.lr_schedule import learning_rate
@@ -75,7 +77,7 @@ class Busy:
 class _InFlight:
     """A call the loop waits for, with what it needs when the call returns."""
 
-    pending: Any          # a Pending, or _Both
+    pending: Any          # a Pending, or _All
     started: float
     version: int = -1     # stage/push: the policy version; train: the step
     round: Round | None = None
@@ -119,6 +121,7 @@ class Controller:
         self.digests: dict[str, list[str]] = {}  # the last compared digests, for the metrics
         self.rollout_busy, self.train_busy = Busy(), Busy()
         self.times: dict[str, float] = {}
+        self.kl_in_reward_coef = job.algorithm.kl_in_reward.coef   # adapted per step when a target is set
 
     def _prompts(self) -> list:
         """The job's prompts that fit the model's context with a whole response; the rest are left
@@ -165,9 +168,15 @@ class Controller:
         answers = [g.answer for g in groups for _ in range(g.size)]
         if "reward" in self.groups:
             self.residency.enter("reward")
-            return run(self.groups["reward"], "score", Dispatch.DP_SPLIT,
-                       {"response_ids": responses, "answers": answers})["rewards"]
-        return score_responses(self.tokenizer, responses, answers)
+            rewards = run(self.groups["reward"], "score", Dispatch.DP_SPLIT,
+                          {"response_ids": responses, "answers": answers})["rewards"]
+        else:
+            rewards = score_responses(self.tokenizer, responses, answers)
+        algo, limit = self.job.algorithm, self.job.rollout.max_new_tokens
+        if algo.overlong_shaping:
+            rewards = rewards + overlong_penalty(torch.from_numpy(responses.lengths), limit,
+                                                 algo.overlong_buffer(limit), algo.overlong_penalty).numpy()
+        return rewards
 
     def _add_time(self, stage: str, seconds: float) -> None:
         self.times[f"time_{stage}_s"] = self.times.get(f"time_{stage}_s", 0.0) + seconds
@@ -188,32 +197,50 @@ class Controller:
         pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, sequences)]
         if "reference" in self.groups:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
+        if "critic" in self.groups:
+            pending.append(self.groups["critic"].call("values", Dispatch.DP_SPLIT, sequences))
         columns: dict[str, Ragged] = {}
         for result in wait(*pending):
             columns.update(result)
         self._add_time("logprobs", time.perf_counter() - started)
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
-        train_batch = {**sequences, **columns,
-                       "advantages": token_advantages(algo, rewards, group_index, old, ref)}
-        if stats["staleness_max"] > 0:
+        found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef)
+        train_batch = {**sequences, **columns, **found.columns}
+        metrics = {}
+        if stats["staleness_max"] > 0 or self.job.corrects_mismatch():
             train_batch.update(off_policy_columns(self.job.rollout, old, behaviour))
+            if "importance_weights" in train_batch:
+                metrics["is_weight_mean"] = float(train_batch["importance_weights"].values.mean())
         lr = learning_rate(self.job.train, step)
         self.residency.enter("train")
-        call = self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch, lr)
+        calls = []
+        if step > algo.critic_warmup_steps:   # the first steps of PPO train the critic alone
+            calls.append(self.groups["actor_train"].call("train_step", Dispatch.DP_SPLIT, train_batch, lr))
+        if "critic" in self.groups:
+            critic_lr = lr * (self.job.train.critic_lr or self.job.train.lr) / self.job.train.lr
+            calls.append(self.groups["critic"].call("train_step", Dispatch.DP_SPLIT,
+                                                    {**sequences, "values": columns["values"],
+                                                     "returns": train_batch["returns"]}, critic_lr))
         lengths = old.lengths
-        metrics = {
+        metrics.update({
             "reward_mean": fmean(rewards),
             "reward_std": pstdev(rewards),
             "accuracy": float(np.mean(rewards == 1.0)),
-            "kl": mean_kl(old, ref, algo.kl_estimator) if ref is not None else 0.0,
+            "kl": mean_kl(old, ref, algo.kl_loss.estimator) if ref is not None else 0.0,
+            "kl_in_reward_coef": self.kl_in_reward_coef,
+            "sequence_kl": found.sequence_kl,
             "response_len": float(lengths.mean()),
             # With fresh samples rollout and trainer hold the same weights: their log-probs must agree.
             "rollout_logprob_gap_max": float(np.abs(old.values - behaviour.values).max()) if len(old.values) else 0.0,
             "samples": float(len(rewards)),
             "lr": lr,
             **stats,
-        }
-        self.training = _InFlight(call, time.perf_counter(), version=step, metrics=metrics)
+        })
+        if algo.kl_in_reward.target is not None:
+            self.kl_in_reward_coef = adaptive_kl_coef(self.kl_in_reward_coef, found.sequence_kl,
+                                                      algo.kl_in_reward.target, len(rewards),
+                                                      algo.kl_in_reward.horizon)
+        self.training = _InFlight(_All(*calls), time.perf_counter(), version=step, metrics=metrics)
 
     # -- the weight sync ----------------------------------------------------------------------
     def _stage(self, digest: bool) -> None:
@@ -257,7 +284,7 @@ class Controller:
         version = self.staged_version
         self.rollout_version = version   # every round started after this runs with these weights
         self.residency.enter("rollout")  # FIFO on the loaders: they are woken before the weights land
-        self.pushing = _InFlight(_Both(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
+        self.pushing = _InFlight(_All(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
                                        self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
                                  time.perf_counter(), version=version)
 
@@ -363,8 +390,10 @@ class Controller:
         self._add_time("train", time.perf_counter() - flight.started)
         self.step = flight.version
         metrics = flight.metrics
-        train_metrics = flight.pending.value()["metrics"]
-        metrics.update({k: fmean(m[k] for m in train_metrics) for k in train_metrics[0]})
+        for role, result in zip(flight.pending.roles, flight.pending.value()):
+            role_metrics = result["metrics"]
+            averaged = {k: fmean(m[k] for m in role_metrics) for k in role_metrics[0]}
+            metrics.update(averaged if role == "actor_train" else {_critic_metric(k): v for k, v in averaged.items()})
         if self.pushing is None:   # staging now lets the next train call follow it at once
             self._stage(digest=self.job.log.check_weights)
         return metrics
@@ -396,6 +425,7 @@ class Controller:
         for role in ("actor_train", "critic"):   # save_state reads the trained roles' state on their devices
             self.residency.need(role, "train")
         state = {"step": self.step, "sampler": asdict(self.sampler.state), "policy_version": self.step,
+                 "kl_in_reward_coef": self.kl_in_reward_coef,
                  "next_group_id": self.scheduler.next_group_id,
                  "attempts": [[b, n] for b, n in self.scheduler.attempts.items()],
                  "rounds": [[b, n] for b, n in self.scheduler.rounds.items()]}
@@ -414,6 +444,7 @@ class Controller:
                                {int(b): int(n) for b, n in controller["attempts"]},
                                {int(b): int(n) for b, n in controller["rounds"]})
         self.history = [dict(m) for m in state.metrics]
+        self.kl_in_reward_coef = float(controller.get("kl_in_reward_coef", self.kl_in_reward_coef))
 
     def shutdown(self) -> None:
         if self.servers.ranks:
@@ -421,11 +452,21 @@ class Controller:
         run(self.everyone, SHUTDOWN, Dispatch.ONE_TO_ALL)
 
 
-class _Both:
-    """Two calls that complete together (the two sides of one collective); waitable like a Pending."""
+def _critic_metric(key: str) -> str:
+    """The critic's train metrics under names of their own (its grad_norm is not the actor's)."""
+    return key if key.startswith(("value", "vf_")) else f"critic_{key}"
 
-    def __init__(self, first: Pending, second: Pending):
-        self.parts = (first, second)
+
+class _All:
+    """Calls that complete together (the two sides of one collective, or the train calls of a step's
+    roles); waitable like a Pending."""
+
+    def __init__(self, *parts: Pending):
+        self.parts = parts
+
+    @property
+    def roles(self) -> list[str]:
+        return [part.group.role for part in self.parts]
 
     @property
     def done(self) -> bool:

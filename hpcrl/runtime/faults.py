@@ -5,7 +5,9 @@ The N-th call of METHOD on rank RANK raises (KIND `raise`, the default), kills t
 stays alive and keeps its heartbeat, as in a deadlocked collective). Used by the fault-tolerance tests
 and by operators rehearsing a failure on a real cluster; unset, it costs one dict lookup.
 `HPCRL_INJECT_DECODE_DELAY_S=S` slows the native sampler by S seconds per decoding step, so that
-tests can make a generation round outlast a timeout.
+tests can make a generation round outlast a timeout. `HPCRL_INJECT_BEHAVIOUR_SHIFT=D` adds D to
+every behaviour log-probability rollout reports: a rollout engine whose numbers differ from the
+trainer's at the same weights (as vLLM's kernels do), for the mismatch-correction tests.
 """
 from __future__ import annotations
 
@@ -35,3 +37,7 @@ def maybe_fail(rank: int, method: str) -> None:
 
 def decode_delay_s() -> float:
     return float(os.environ.get("HPCRL_INJECT_DECODE_DELAY_S", "0"))
+
+
+def behaviour_shift() -> float:
+    return float(os.environ.get("HPCRL_INJECT_BEHAVIOUR_SHIFT", "0"))

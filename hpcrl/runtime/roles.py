@@ -20,7 +20,7 @@ from hpcrl.engines.registry import generation_engine, training_engine
 from hpcrl.engines.torch_trainer import Samples
 from hpcrl.ragged import Batch
 from hpcrl.rewards import score_responses
-from hpcrl.runtime.faults import decode_delay_s
+from hpcrl.runtime.faults import behaviour_shift, decode_delay_s
 from hpcrl.runtime.messages import TAG_ADDRESS
 from hpcrl.runtime.mpi_world import free_port, poll_recv, send
 from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, WeightServer, receive_object
@@ -57,6 +57,8 @@ def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> Trainin
     groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
     options = {"torch": {"fsdp": getattr(job.roles, role).fsdp},
                "deepspeed": {"zero_stage": job.zero_stage(role)}}.get(name, {})
+    if role == "critic":   # the capability table keeps the critic off engines without a value head
+        options["value_head"] = True
     return training_engine(name)(ctx.model_files, job, ctx.tokenizer.pad_token_id, groups, ctx.device,
                                  trainable=trainable, **options)
 
@@ -154,6 +156,28 @@ def _digesting(weights: Iterable[tuple[str, torch.Tensor]], into: list[tuple[str
         yield name, tensor
 
 
+class Critic(Resident):
+    """The value model of PPO (algorithm.advantage: gae): the policy's decoder with a value head,
+    trained on the GAE returns beside the actor."""
+
+    def __init__(self, ctx: RoleContext):
+        self.trainer = training_engine_for("critic", ctx, trainable=True)
+
+    def values(self, batch: Batch) -> Batch | None:
+        values = self.trainer.values(batch["prompt_ids"], batch["response_ids"])
+        return None if values is None else {"values": values}
+
+    def train_step(self, batch: Batch, lr: float) -> Batch:
+        columns = {k: batch[k] for k in ("values", "returns")}
+        return {"metrics": [self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns), lr)]}
+
+    def save(self, checkpoint_dir: Path) -> None:
+        self.trainer.save_state(checkpoint_dir / "critic")
+
+    def load(self, checkpoint_dir: Path) -> None:
+        self.trainer.load_state(checkpoint_dir / "critic")
+
+
 class Reference(Resident):
     """A frozen copy of the initial policy, for the KL penalty."""
 
@@ -215,7 +239,9 @@ class ActorInfer(Resident):
         generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
         out: Generation = self.engine.generate(batch["prompt_ids"], self.params, generator, batch["budgets"],
                                                None if limit is None else time.monotonic() + limit)
-        return {"response_ids": out.response_ids, "behaviour_logprobs": out.logprobs, "finished": out.finished}
+        shift = behaviour_shift()   # 0 but in the mismatch tests
+        logprobs = out.logprobs.with_values(out.logprobs.values + shift) if shift else out.logprobs
+        return {"response_ids": out.response_ids, "behaviour_logprobs": logprobs, "finished": out.finished}
 
     def receive_weights(self, digest: bool) -> str | None:
         """Load the pushed weights, every trainer stage at once, bucket by bucket; with `digest`, the
@@ -251,4 +277,5 @@ class Reward:
         return {"rewards": score_responses(self.tokenizer, batch["response_ids"], batch["answers"])}
 
 
-ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "actor_infer": ActorInfer, "reward": Reward}
+ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "critic": Critic, "actor_infer": ActorInfer,
+                "reward": Reward}

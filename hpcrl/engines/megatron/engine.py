@@ -169,7 +169,7 @@ class MegatronTrainer:
         if self.job.algorithm.entropy_coef == 0:
             entropy = entropy.detach()   # logged only: no graph through it
         mask = mb["response_mask"]
-        loss, metrics = policy_objective(logp, entropy, mb, mask, self.job.algorithm, tokens, sequences)
+        loss, metrics = policy_objective(logp, entropy, mb, mask, self.job, tokens, sequences)
         return loss, mask.sum().int(), metrics
 
     @on_cpu_shim
