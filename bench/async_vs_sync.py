@@ -13,34 +13,16 @@ Eight runs of 2 to 2.5 minutes each on a 2-core machine: about 17 minutes.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from statistics import fmean
 
-from hpcrl.metrics import read_metrics
+from tiny_runs import run_job
 
 
 def run(job: str, staleness: int, steps: int, seed: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
-    sets = [f"train.steps={steps}", f"rollout.max_staleness={staleness}", f"seed={seed}", "log.tensorboard=false",
-            "checkpoint.every=0", *overrides]
-    command = [sys.executable, "-m", "hpcrl", "run", job, "--run-dir", str(run_dir)]
-    command += [x for s in sets for x in ("--set", s)]
-    started = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - started
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    steady = rows[min(5, len(rows) - 1):]
-    return {
-        "samples/s": sum(r["samples"] for r in steady) / sum(r["time_step_s"] for r in steady),
-        "rollout idle": fmean(r["rollout_idle_frac"] for r in steady),
-        "train idle": fmean(r["train_idle_frac"] for r in steady),
-        "final reward": fmean(r["reward_mean"] for r in rows[-max(10, len(rows) // 10):]),
-        "max staleness": max(r["staleness_max"] for r in rows),
-        "wall s": wall,
-    }
+    return run_job(job, steps, seed, [f"rollout.max_staleness={staleness}", *overrides], run_dir)
 
 
 def main() -> int:

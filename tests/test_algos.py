@@ -6,14 +6,22 @@ import pytest
 import torch
 
 from hpcrl.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    adaptive_kl_coef,
     advantage_estimator,
     aggregate_loss,
+    cispo_loss,
+    clipped_value_loss,
     discounted_returns,
     gae_advantages,
     grpo_advantages,
     gspo_loss,
     kl_penalty,
     nonzero_variance_groups,
+    overlong_penalty,
     ppo_clip_loss,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -172,6 +180,13 @@ def test_aggregation_modes(mode, expected):
     close(aggregate_loss(LOSS, MASK, mode), expected)
 
 
+def test_seq_mean_token_sum_norm_divides_by_a_constant_length():
+    # Dr. GRPO: per-sequence sums over the maximum length 4, then the mean: ((1 + 2) / 4 + 4 / 4) / 2
+    close(aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=4), 0.875)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm")
+
+
 def test_token_mean_with_global_token_count():
     # this rank holds 3 of the minibatch's 10 tokens: it contributes 7/10, not 7/3
     close(aggregate_loss(LOSS, MASK, "token-mean", global_token_count=10), 0.7)
@@ -265,6 +280,65 @@ def test_gspo_sequence_ratio_and_token_gradient():
     assert metrics["clipfrac"] == pytest.approx(0.5)
     assert metrics["ratio_mean"] == pytest.approx((2 * math.exp(0.2) + 2) / 4, abs=1e-6)
     assert metrics["approx_kl"] == pytest.approx(-0.1, abs=1e-6)
+
+
+def test_cispo_keeps_every_token_gradient_and_clips_only_its_weight():
+    # w = min(ratio, 1.2) (no lower bound), held constant; loss -A w logp, gradient -A w:
+    #   0: ratio 1.6487 -> w 1.2, A 1, logp 0.5:   loss -0.6,      grad -1.2 (PPO: 0, clipped out)
+    #   1: ratio 1, A 1, logp 0:                    loss 0,         grad -1
+    #   2: ratio 0.5, A 1, logp ln 0.5:             loss 0.34657,   grad -0.5
+    #   3: ratio 0.60653, A -1, logp -0.5:          loss -0.30327,  grad 0.60653
+    #   4: ratio 1.10517, A -1, logp 0.1:           loss 0.110517,  grad 1.10517
+    logp, old, adv, mask = _ppo_case()
+    loss, metrics = cispo_loss(logp, old, adv, mask, clip_low=1.0, clip_high=0.2)
+    close(loss, (-0.6 + 0.3465736 - 0.3032653 + 0.1105171) / 5)
+    loss.backward()
+    close(logp.grad, [[-1.2 / 5, -1 / 5, -0.5 / 5, math.exp(-0.5) / 5, math.exp(0.1) / 5, 0.0]])
+    assert metrics["clipfrac"] == pytest.approx(1 / 5)
+
+
+def test_clipped_value_loss():
+    # clip 0.2 around the old values 0.5:
+    #   0: V 1.0 -> clipped 0.7, R 2: (1 - 2)^2 = 1 < (0.7 - 2)^2 = 1.69: the clipped term, no gradient
+    #   1: V 0.0 -> clipped 0.3, R 0: 0 < 0.09: clipped, no gradient
+    #   2: V 0.2 -> clipped 0.3, R 2: 3.24 > 2.89: unclipped, gradient 0.5 * 2 (0.2 - 2) / 3 = -0.6
+    values = t([[1.0, 0.0, 0.2]]).requires_grad_()
+    loss, metrics = clipped_value_loss(values, t([[0.5, 0.5, 0.5]]), t([[2.0, 0.0, 2.0]]), torch.ones(1, 3), 0.2)
+    close(loss, 0.5 * (1.69 + 0.09 + 3.24) / 3)
+    loss.backward()
+    close(values.grad, [[0.0, 0.0, -0.6]])
+    assert metrics["vf_clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_overlong_penalty_grows_over_the_buffer():
+    # max 20, buffer 5: free up to 15 tokens, then -1/5 per token, -1 at 20
+    close(overlong_penalty(torch.tensor([10, 15, 17, 20]), 20, 5), [0.0, 0.0, -0.4, -1.0])
+    close(overlong_penalty(torch.tensor([10, 20]), 20, 0), [0.0, 0.0])
+
+
+def test_adaptive_kl_coef_moves_towards_the_target_by_at_most_20_percent_per_horizon():
+    # error clipped to +-0.2, applied for 100 of 1000 samples: x 1.02 or x 0.98
+    assert adaptive_kl_coef(0.1, 0.2, 0.1, 100, 1000) == pytest.approx(0.102)
+    assert adaptive_kl_coef(0.1, 0.05, 0.1, 100, 1000) == pytest.approx(0.098)
+    assert adaptive_kl_coef(0.1, 0.105, 0.1, 1000, 1000) == pytest.approx(0.105)
+
+
+def test_every_config_name_has_an_implementation_and_back():
+    """The schema's Literals and the registries are the same sets: a name the config accepts always
+    resolves, and an implementation is always reachable from a job."""
+    import typing
+
+    from hpcrl.config.algorithms import PRESETS
+    from hpcrl.config.job import AlgorithmConfig, KLLossConfig, KLRewardConfig
+
+    def allowed(schema, field):
+        return set(typing.get_args(schema.model_fields[field].annotation))
+
+    assert allowed(AlgorithmConfig, "policy_loss") == set(POLICY_LOSSES)
+    assert allowed(AlgorithmConfig, "advantage") == set(ADVANTAGE_ESTIMATORS)
+    assert allowed(AlgorithmConfig, "loss_agg") == set(AGGREGATION_MODES)
+    assert allowed(AlgorithmConfig, "name") == set(PRESETS)
+    assert allowed(KLLossConfig, "estimator") == allowed(KLRewardConfig, "estimator") == set(KL_ESTIMATORS)
 
 
 def test_truncated_importance_weights():

@@ -124,3 +124,50 @@ def test_bad_job_fails_before_any_rank_starts(tmp_path):
     assert result.returncode == 2
     assert "roles.actor_train.parallel.tp: expected a positive integer, got 'two'" in result.stderr
     assert not (tmp_path / "run").exists(), "no rank may start (nothing written) for an invalid job"
+
+
+# ---- algorithm presets ------------------------------------------------------------------------
+
+def test_a_preset_fills_what_the_job_leaves_out_and_the_job_wins(tmp_path):
+    path = write(tmp_path, GOOD)
+    gspo = load_job(path, ["algorithm.name=gspo"]).algorithm
+    assert (gspo.policy_loss, gspo.clip_low, gspo.clip_high, gspo.loss_agg) == ("gspo", 3e-4, 4e-4,
+                                                                               "seq-mean-token-mean")
+    dapo = load_job(path, ["algorithm.name=dapo"]).algorithm
+    assert (dapo.clip_low, dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling, dapo.overlong_shaping) == (
+        0.2, 0.28, "token-mean", True, True)
+    assert dapo.overlong_buffer(1000) == 200   # a fifth of rollout.max_new_tokens, unless set
+    dr_grpo = load_job(path, ["algorithm.name=dr_grpo"]).algorithm
+    assert (dr_grpo.normalize_std, dr_grpo.loss_agg) == (False, "seq-mean-token-sum-norm")
+    assert load_job(path, ["algorithm.name=gspo", "algorithm.clip_high=1e-3"]).algorithm.clip_high == 1e-3
+    assert load_job(path, ["algorithm.name=dapo", "algorithm.dynamic_sampling=false"]).algorithm.dynamic_sampling \
+        is False
+
+
+def test_each_preset_puts_its_kl_in_one_place_and_only_with_a_reference(tmp_path):
+    path = write(tmp_path, GOOD + "  reference: {colocate_with: actor_train}\n")
+    for name, where in (("grpo", "kl_loss"), ("reinforce_pp", "kl_in_reward"), ("rloo", "kl_in_reward")):
+        algo = load_job(path, [f"algorithm.name={name}"]).algorithm
+        other = "kl_in_reward" if where == "kl_loss" else "kl_loss"
+        assert getattr(algo, where).coef > 0 and getattr(algo, other).coef == 0, name
+    reinforce = load_job(path, ["algorithm.name=reinforce_pp"]).algorithm
+    assert reinforce.kl_in_reward.estimator == "k1"
+    # without a reference role a preset's KL is off; a job's own is refused
+    alone = load_job(write(tmp_path, GOOD, "alone.yaml"), ["algorithm.name=grpo"]).algorithm
+    assert alone.kl_loss.coef == 0
+    message = error_of(write(tmp_path, GOOD, "alone.yaml"), ["algorithm.kl_in_reward.coef=0.1"])
+    assert "algorithm.kl_in_reward.coef: 0.1 measures the KL to the reference policy" in message
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.name=gspo", "algorithm.dual_clip_c=3"],
+     "algorithm: dual_clip_c applies to policy_loss ppo_clip, not 'gspo'"),
+    (["algorithm.name=rloo", "algorithm.normalize_std=false"],
+     "algorithm: normalize_std applies to advantage grpo, not 'rloo'"),
+    (["algorithm.lam=0.9"], "algorithm: lam applies to advantage gae, not 'grpo'"),
+    (["algorithm.kl_coef=0.1"], "algorithm: kl_coef: the KL now goes in one of two places"),
+    (["algorithm.dual_clip_c=1"], "dual_clip_c: 1.0 must exceed 1"),
+    (["algorithm.name=grpo", "roles.critic.engine=torch"], "roles.critic: only algorithm.advantage gae uses a critic"),
+])
+def test_an_option_that_does_not_apply_is_refused_by_key(tmp_path, overrides, message):
+    assert message in error_of(write(tmp_path, GOOD), overrides)

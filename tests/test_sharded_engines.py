@@ -7,6 +7,9 @@ one rank:
   log-probabilities and weights;
 - the gradient of one optimizer step is the same for every micro-batch size and token budget
   (torch DDP, FSDP2, DeepSpeed ZeRO-3, Megatron tp=2), and DP's equals one rank's with all the samples;
+- one objective for every engine: torch DDP, DeepSpeed ZeRO-3 and Megatron, each at dp=2 with
+  uneven shards (3 and 5 samples), give the loss and the gradient of one rank with all 8 samples
+  (to 1e-6), for the token-mean and the sequence-mean aggregations;
 - bf16 jobs keep fp32 master weights: three steps at lr 1e-6 move (nearly) every weight;
 - a Hugging Face model built on a rank that also hosts a Megatron trainer gives exact logits.
 Run as a script (by the fixture) it is the MPI program; rank 0 writes the findings as JSON.
@@ -50,6 +53,16 @@ def test_the_gradient_of_a_step_does_not_depend_on_the_micro_batches(findings, e
     if engine != "megatron_tp2":   # dp = 2, each rank half the samples == one rank with all of them
         assert found["max_diff"]["one_rank"] < 1e-6, found
     assert found["grad_scale"] > 1e-3, "the gradients compared are not all zero"
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "megatron"])
+def test_every_engine_trains_the_same_objective_on_uneven_dp_shards(findings, engine):
+    if f"uneven_{engine}" not in findings:
+        pytest.skip(f"the {engine} engine's extra is not installed")
+    for agg, found in findings[f"uneven_{engine}"].items():
+        assert found["grad_max_diff"] < 1e-6 * max(1.0, found["grad_scale"]), (agg, found)
+        assert abs(found["loss"] - found["one_rank_loss"]) < 1e-6, (agg, found)
+        assert found["grad_scale"] > 1e-3, "the gradients compared are not all zero"
 
 
 @pytest.mark.parametrize("engine", ["fp32", "bf16_autocast", "bf16_fsdp2"])
@@ -154,6 +167,58 @@ def _grad_check(make_engine, grads_of, samples, rank: int, one_rank: dict | None
             "grad_scale": max(float(g.abs().max()) for g in whole.values())}
 
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _uneven_check(make_engine, grads_of, whole: dict, samples, rank: int, group) -> dict:
+    """Train one step at dp=2 on shards of 3 and 5 samples; compare the summed loss shares and the
+    gradient with `whole` (aggregation -> (loss, gradient) of one rank with all the samples)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.engines.torch_trainer import Samples
+
+    rows = np.arange(0, 3) if rank == 0 else np.arange(3, 8)
+    shard = Samples(samples.prompt_ids.take(rows), samples.response_ids.take(rows),
+                    {k: v.take(rows) for k, v in samples.columns.items()})
+    found = {}
+    for agg in AGGREGATIONS:
+        engine = make_engine(_job(f"algorithm.loss_agg={agg}"))
+        metrics = engine.train_step(shard, 1e-3)
+        share = torch.tensor([metrics["loss"] / 2], dtype=torch.float64)   # the metric estimates the global loss
+        dist.all_reduce(share, group=group)
+        grads = grads_of(engine)
+        one_rank_loss, one_rank_grads = whole[agg]
+        found[agg] = {"loss": float(share), "one_rank_loss": one_rank_loss,
+                      "grad_max_diff": max(float((grads[n] - one_rank_grads[n]).abs().max()) for n in grads),
+                      "grad_scale": max(float(g.abs().max()) for g in one_rank_grads.values())}
+    return found
+
+
+def _one_rank(make_engine, grads_of, samples) -> dict:
+    """aggregation -> (loss, gradient) of one step on all the samples by an engine of one rank."""
+    whole = {}
+    for agg in AGGREGATIONS:
+        engine = make_engine(_job(f"algorithm.loss_agg={agg}"))
+        whole[agg] = (engine.train_step(samples, 1e-3)["loss"], grads_of(engine))
+    return whole
+
+
+def _megatron_grads(engine) -> dict:
+    """Megatron's full gradients at dp > 1: its distributed optimizer reduce-scatters the gradient
+    buffer, so each DP rank holds the reduced values of its own shard of every bucket only."""
+    import torch.distributed as dist
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    dp = engine.pgc.dp
+    for buffer in engine.model.buffers:
+        for bucket in buffer.buckets:
+            shards = shard_buffer(bucket.grad_data, dp.size())
+            dist.all_gather(shards, shards[dp.rank()].clone(), group=dp)
+    return _full_grads(engine.gpt)
+
+
 def _moved_share(make_engine, samples, rank: int, dtype: str) -> dict:
     import torch
     from torch.distributed.tensor import DTensor
@@ -204,6 +269,13 @@ def _shim_check(files, tokenizer, rank: int, found: dict) -> None:
     samples = _samples(tokenizer, files, _job(), seed=3)
     # rank=0: both TP ranks of the one replica train on the same samples
     found["grad_megatron_tp2"] = _grad_check(megatron, lambda e: _full_grads(e.gpt), samples, rank=0)
+    # dp=2 on uneven shards against a Megatron of one rank (each rank its own) with all the samples
+    alone = {k: a + b for (k, a), b in zip(role_rank_groups({}, [0]).items(), role_rank_groups({}, [1]).values())}
+    alone_groups, dp_groups = new_role_groups(alone, rank), new_role_groups(role_rank_groups({}, [0, 1]), rank)
+    whole = _one_rank(lambda job: MegatronTrainer(files, job, tokenizer.pad_token_id, alone_groups),
+                      lambda e: _full_grads(e.gpt), samples)
+    found["uneven_megatron"] = _uneven_check(lambda job: MegatronTrainer(files, job, tokenizer.pad_token_id, dp_groups),
+                                             _megatron_grads, whole, samples, rank, dp_groups["dp"])
     after = load_full(files, "float32")(input_ids=ids).logits
     found["shim"] = {"torch_restored": factories == (torch.zeros, torch.tensor, torch.Tensor.type,
                                                      torch.cuda.current_device),
@@ -246,6 +318,9 @@ def main(out: Path) -> None:
                                         one_rank)
         found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: _full_grads(e.module), samples, rank,
                                           one_rank)
+        whole = _one_rank(torch_engine(None, False), lambda e: _full_grads(e.module), samples)
+        found["uneven_ddp"] = _uneven_check(torch_engine(world, False), lambda e: _full_grads(e.module), whole,
+                                            samples, rank, world)
         found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
         found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
         found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")
@@ -256,9 +331,10 @@ def main(out: Path) -> None:
             local = sum(p.ds_tensor.numel() for p in zero3.module.parameters())
             found["zero3"] = _sharded_check(zero3, files, samples, local)
             # ZeRO-3's gradient hooks are made without gathering the parameters (deepspeed_grad_hooks)
-            found["grad_zero3"] = _grad_check(
-                lambda job: _zero3_grads(DeepSpeedTrainer(files, job, tokenizer.pad_token_id, world, zero_stage=3)),
-                lambda e: e.applied, samples, rank, one_rank)
+            zero3 = lambda job: _zero3_grads(DeepSpeedTrainer(files, job, tokenizer.pad_token_id, world,  # noqa: E731
+                                                              zero_stage=3))
+            found["grad_zero3"] = _grad_check(zero3, lambda e: e.applied, samples, rank, one_rank)
+            found["uneven_zero3"] = _uneven_check(zero3, lambda e: e.applied, whole, samples, rank, world)
         if importlib.util.find_spec("megatron") is not None:
             _shim_check(files, tokenizer, rank, found)
     except BaseException:

@@ -157,9 +157,10 @@ def cispo_loss(
     """
     log_ratio = _log_ratio(logprobs, old_logprobs)
     ratio = torch.exp(log_ratio)
-    weight = ratio.detach().clamp(1 - clip_low, 1 + clip_high)
+    valid = response_mask.bool()   # padding's log-probs may be -inf: its weight and log-prob are set to 0
+    weight = torch.where(valid, ratio.detach().clamp(1 - clip_low, 1 + clip_high), torch.zeros_like(ratio))
     was_clipped = (ratio.detach() > 1 + clip_high) | (ratio.detach() < 1 - clip_low)
-    loss_mat = -advantages * weight * logprobs
+    loss_mat = -advantages * weight * torch.where(valid, logprobs, torch.zeros_like(logprobs))
     return _finish(
         loss_mat, log_ratio, ratio, was_clipped, response_mask, agg, global_token_count,
         importance_weights, norm_length,

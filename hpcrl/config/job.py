@@ -195,10 +195,10 @@ class RolloutConfig(Schema):
                            "(synchronous: 0.886)")
     is_cap: PositiveFloat = Field(10.0, description="bound of the importance weight pi_old/pi_behaviour for tis, mis "
                                   "and seq-tis (tiny job at a constant lr, seed 1: 0.77 with a cap of 2, 0.85 with 10)")
-    mismatch_correction: Literal["auto", "on", "off"] = Field(
-        "auto", description="apply is_correction to fresh samples too: the rollout engine's log-probabilities "
-                            "differ from the trainer's (kernels, precision) even at the same weights. auto: on for "
-                            "engine vllm, off for native (the trainer's own code)")
+    mismatch_correction: bool | None = Field(
+        None, description="apply is_correction to fresh samples too: the rollout engine's log-probabilities differ "
+                          "from the trainer's (kernels, precision) even at the same weights. Unset: on for engine "
+                          "vllm, off for native (the trainer's own code)")
     max_refills: NonNegativeInt = Field(10, description="dynamic sampling: extra generation rounds per batch")
     sync_timeout_s: PositiveFloat = Field(300.0, description="timeout of one collective of the weight sync: a "
                                           "sync starts only when rollout is between rounds, so it bounds a hung "
@@ -381,7 +381,7 @@ class JobConfig(Schema):
     def corrects_mismatch(self) -> bool:
         """Whether behaviour log-probabilities correct fresh samples too (rollout.mismatch_correction)."""
         setting = self.rollout.mismatch_correction
-        return setting == "on" or (setting == "auto" and self.engine("actor_infer") != "native")
+        return setting if setting is not None else self.engine("actor_infer") != "native"
 
     def stages(self, role: str) -> tuple[str, ...]:
         config = getattr(self.roles, role)

@@ -5,11 +5,11 @@ ids and their log-probabilities out, weights in under HF names, sleep/wake aroun
 vLLM is imported only when an engine is built; the translation from hpcrl's SamplingParams
 and the reading of vLLM's outputs are pure functions, testable without vLLM.
 
-Log-probabilities: vLLM returns by default those of the raw model (before temperature); the
-engine asks for `logprobs_mode="processed_logprobs"`, the distribution after temperature (and
-after top-k/top-p when set), which is what the trainer recomputes: log softmax(logits / T).
-With top-k or top-p the filtered distribution's log-probabilities are returned (the native
-sampler reports unfiltered ones), so the two engines agree exactly only without them.
+Log-probabilities must be those the trainer recomputes, log softmax(logits / T) over the whole
+vocabulary (as the native sampler reports them), or every ratio and off-policy weight is biased.
+vLLM's "processed" log-probabilities are after temperature and after top-k/top-p; its "raw" ones
+before both. Without top-k/top-p the engine asks for processed ones; with them, for raw ones,
+which match only at temperature 1 (the job schema refuses top-k/top-p at another temperature).
 
 Weights: with rollout on GPUs of its own, each stage leader of the trainer broadcasts its
 buckets over an NCCL communicator straight to the TP workers of every replica, which receive on
@@ -64,9 +64,11 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tok
 
 
 def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, seed: int,
-               gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool) -> dict[str, Any]:
+               gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool,
+               filtered_sampling: bool = False) -> dict[str, Any]:
     """vllm.LLM(**these): the weights loaded by vLLM itself from the HF directory (each TP worker
-    reads its own shard), token ids in and out (no tokenizer), sleep mode on for colocated roles."""
+    reads its own shard), token ids in and out (no tokenizer), sleep mode on for colocated roles,
+    the log-probabilities of the unfiltered distribution (see the module doc)."""
     return dict(
         model=model_dir,
         tensor_parallel_size=tensor_parallel_size,
@@ -78,7 +80,7 @@ def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, se
         skip_tokenizer_init=True,
         load_format="safetensors",
         enable_sleep_mode=True,
-        logprobs_mode="processed_logprobs",
+        logprobs_mode="raw_logprobs" if filtered_sampling else "processed_logprobs",
     )
 
 
@@ -136,11 +138,12 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, eos_id: int, seed: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
-                 sleep_level: int = 1, devices: Sequence[int] = ()):
+                 sleep_level: int = 1, devices: Sequence[int] = (), filtered_sampling: bool = False):
         """Serve the HF model in `model_dir` (`model.path` or the run's random init), which vLLM
         loads itself. Alone in a one-rank world with TP = 1, vLLM runs in this process; otherwise
         its engine runs in child processes (their own torch.distributed world, TP workers on
-        `devices`, the local GPU indices of this replica's ranks)."""
+        `devices`, the local GPU indices of this replica's ranks). `filtered_sampling`: the job samples
+        with top-k or top-p (see the module doc)."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -157,7 +160,7 @@ class VLLMEngine:
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.llm = vllm.LLM(**llm_kwargs(str(model_dir), tensor_parallel_size, dtype, seed, gpu_memory_utilization,
-                                         config.max_position_embeddings, enforce_eager))
+                                         config.max_position_embeddings, enforce_eager, filtered_sampling))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
                  budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:

@@ -210,7 +210,8 @@ class ActorInfer(Resident):
                                                   tokenizer.eos_token_id, job.seed,
                                                   tensor_parallel_size=len(ctx.replica_devices),
                                                   gpu_memory_utilization=job.rollout.gpu_memory_utilization,
-                                                  devices=ctx.replica_devices)
+                                                  devices=ctx.replica_devices,
+                                                  filtered_sampling=job.rollout.top_p < 1 or job.rollout.top_k > 0)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
         self.receiver = WeightReceiver(getattr(self.engine, "landing_buffer", None))

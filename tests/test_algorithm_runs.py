@@ -1,0 +1,121 @@
+"""Every algorithm preset end to end through `hpcrl run`, and the wiring around the losses.
+
+- each preset trains the tiny job (the real MPI world), with its KL where the preset puts it and
+  nowhere else: the trainer reports a KL loss only for the presets that use one;
+- PPO's critic trains beside the actor and resumes from a checkpoint exactly where it was;
+- the train/inference mismatch correction acts at staleness 0 when asked, against a rollout whose
+  behaviour log-probabilities are shifted on purpose (HPCRL_INJECT_BEHAVIOUR_SHIFT), and not otherwise.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import hpcrl
+
+from hpcrl.config import load_job
+from hpcrl.config.algorithms import PRESETS
+from hpcrl.metrics import read_metrics
+from hpcrl.ragged import Ragged
+
+TINY = "jobs/tiny_grpo.yaml"
+FAST = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "log.tensorboard=false"]
+CRITIC = ["--set", "roles.critic.engine=torch", "--set", "roles.critic.colocate_with=actor_train"]
+PPO = ["--set", "algorithm.name=ppo", *CRITIC, "--set", "train.lr_schedule=constant"]   # lr not tied to train.steps
+SHIFT = 0.5
+
+
+def train(run_dir, steps: int, *extra: str, env: dict | None = None) -> list[dict]:
+    result = hpcrl("run", TINY, "--run-dir", str(run_dir), "--set", f"train.steps={steps}", *FAST, *extra,
+                   env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "ppo"])
+def test_every_preset_trains_the_tiny_job_with_its_kl_in_one_place(tmp_path, name):
+    metrics = train(tmp_path, 2, "--set", f"algorithm.name={name}")
+    algo = load_job(TINY, [f"algorithm.name={name}"]).algorithm
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert all(math.isfinite(m[k]) for k in ("loss", "reward_mean", "entropy")), m
+        assert ("kl_loss" in m) == (algo.kl_loss.coef > 0), (name, m)   # the trainer's KL term
+        assert m["kl_in_reward_coef"] == algo.kl_in_reward.coef            # the reward's
+        assert not (algo.kl_loss.coef > 0 and algo.kl_in_reward.coef > 0), f"{name} counts the KL twice"
+
+
+def test_ppo_trains_a_critic_and_resumes_it_where_it_was(tmp_path):
+    straight = train(tmp_path / "straight", 3, *PPO)
+    for m in straight:
+        assert {"value_loss", "vf_clipfrac", "value_mean", "critic_grad_norm"} <= m.keys(), m
+        assert "kl_loss" not in m and m["kl_in_reward_coef"] > 0   # PPO's KL is in the reward
+    # the value head starts at 0 (every value 0): values that moved are the critic's training
+    assert straight[-1]["value_mean"] != 0.0 and straight[-1]["critic_grad_norm"] > 0
+    resumed_dir = tmp_path / "resumed"
+    train(resumed_dir, 2, *PPO, "--set", "checkpoint.every=2")
+    assert (resumed_dir / "checkpoints" / "step-2" / "critic").is_dir()
+    resumed = train(resumed_dir, 3, *PPO, "--set", "checkpoint.every=2")
+    for key in ("value_loss", "value_mean", "loss", "reward_mean"):
+        assert resumed[-1][key] == straight[-1][key], key   # the critic's weights and Adam state came back
+
+
+def test_the_critic_warms_up_before_the_actor_trains(tmp_path):
+    metrics = train(tmp_path, 2, *PPO, "--set", "algorithm.critic_warmup_steps=1")
+    assert "value_loss" in metrics[0] and "loss" not in metrics[0], "step 1 trains the critic alone"
+    assert "loss" in metrics[1]
+
+
+def test_the_mismatch_correction_weights_fresh_samples_when_asked(tmp_path):
+    shifted = {"HPCRL_INJECT_BEHAVIOUR_SHIFT": str(SHIFT)}
+    on = train(tmp_path / "on", 2, "--set", "rollout.mismatch_correction=true", "--set", "rollout.is_correction=tis",
+               env=shifted)
+    for m in on:
+        assert m["staleness_max"] == 0, "fresh samples only"
+        assert m["rollout_logprob_gap_max"] == pytest.approx(SHIFT, abs=1e-3)
+        # pi_old / pi_behaviour = exp(-shift) on every token, under the cap of 10
+        assert m["is_weight_mean"] == pytest.approx(math.exp(-SHIFT), rel=1e-3)
+    # unset: the native sampler is the trainer's own code, so fresh samples are not corrected
+    auto = train(tmp_path / "auto", 1, env=shifted)
+    assert "is_weight_mean" not in auto[0] and auto[0]["rollout_logprob_gap_max"] == pytest.approx(SHIFT, abs=1e-3)
+
+
+# ---- the same wiring without a world ------------------------------------------------------------
+
+def _batch(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 5, 8)
+    rows = [rng.normal(-1.0, 0.3, n).astype(np.float32) for n in lengths]
+    old = Ragged.from_rows(rows, np.float32)
+    ref = old.with_values(old.values - rng.uniform(0.0, 0.5, len(old.values)).astype(np.float32))
+    rewards = rng.integers(0, 2, 8).astype(np.float64)
+    return old, ref, rewards, np.repeat(np.arange(2), 4)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "ppo"])
+def test_the_reward_carries_the_kl_only_for_presets_that_put_it_there(name):
+    from hpcrl.runtime.advantages import token_advantages
+
+    algo = load_job(TINY, [f"algorithm.name={name}"]).algorithm
+    old, ref, rewards, groups = _batch()
+    with_ref = token_advantages(algo, rewards, groups, old, ref, None, algo.kl_in_reward.coef)
+    without = token_advantages(algo, rewards, groups, old, None, None, algo.kl_in_reward.coef)
+    moved = not np.allclose(with_ref.columns["advantages"].values, without.columns["advantages"].values, atol=1e-7)
+    assert moved == (algo.kl_in_reward.coef > 0), name
+    assert with_ref.sequence_kl > 0
+
+
+def test_the_objective_adds_a_kl_loss_only_when_the_preset_has_one():
+    from hpcrl.engines.batch import length_mask, right_pad
+    from hpcrl.engines.objective import policy_objective
+
+    old, ref, _, _ = _batch()
+    mask = length_mask(old.lengths)
+    columns = {"old_logprobs": right_pad(old, 0.0, torch.float32), "ref_logprobs": right_pad(ref, 0.0, torch.float32),
+               "advantages": torch.ones_like(mask)}
+    for name in ("grpo", "reinforce_pp"):
+        job = load_job(TINY, [f"algorithm.name={name}", "algorithm.entropy_coef=0"])
+        logp = columns["old_logprobs"].clone().requires_grad_()
+        _, metrics = policy_objective(logp, None, columns, mask, job, float(mask.sum()), len(mask))
+        assert ("kl_loss" in metrics) == (name == "grpo"), name
