@@ -10,6 +10,8 @@ one rank:
 - one objective for every engine: torch DDP, DeepSpeed ZeRO-3 and Megatron, each at dp=2 with
   uneven shards (3 and 5 samples), give the loss and the gradient of one rank with all 8 samples
   (to 1e-6), for the token-mean and the sequence-mean aggregations;
+- the critic (a value head on the same decoder) computes the same values and value-loss gradient
+  as one whole replica when FSDP2 or ZeRO-3 shards it over dp=2;
 - bf16 jobs keep fp32 master weights: three steps at lr 1e-6 move (nearly) every weight;
 - a Hugging Face model built on a rank that also hosts a Megatron trainer gives exact logits.
 Run as a script (by the fixture) it is the MPI program; rank 0 writes the findings as JSON.
@@ -63,6 +65,15 @@ def test_every_engine_trains_the_same_objective_on_uneven_dp_shards(findings, en
         assert found["grad_max_diff"] < 1e-6 * max(1.0, found["grad_scale"]), (agg, found)
         assert abs(found["loss"] - found["one_rank_loss"]) < 1e-6, (agg, found)
         assert found["grad_scale"] > 1e-3, "the gradients compared are not all zero"
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_a_sharded_critic_gives_the_whole_critics_values_and_gradient(findings, engine):
+    if f"critic_{engine}" not in findings:
+        pytest.skip("deepspeed is not installed")
+    found = findings[f"critic_{engine}"]
+    assert found["values_max_diff"] < 1e-5 and found["value_scale"] > 0, found
+    assert found["grad_max_diff"] < 1e-6 * max(1.0, found["grad_scale"]) and found["grad_scale"] > 1e-4, found
 
 
 @pytest.mark.parametrize("engine", ["fp32", "bf16_autocast", "bf16_fsdp2"])
@@ -219,6 +230,54 @@ def _megatron_grads(engine) -> dict:
     return _full_grads(engine.gpt)
 
 
+def _critic_samples(samples, seed: int):
+    """The samples with the critic's columns: old values and returns."""
+    import numpy as np
+
+    from hpcrl.engines.torch_trainer import Samples
+
+    rng = np.random.default_rng(seed)
+    old = samples.columns["old_logprobs"]
+    values = old.with_values(rng.normal(0, 0.1, len(old.values)).astype(np.float32))
+    returns = old.with_values(rng.integers(0, 2, len(old.values)).astype(np.float32))
+    return Samples(samples.prompt_ids, samples.response_ids, {"values": values, "returns": returns})
+
+
+def _critic_check(make_critic, grads_of, whole: tuple, samples, rank: int) -> dict:
+    """Values of all the samples, then one value-loss step on this rank's half, against `whole`
+    (values, gradient) of a critic of one rank with all of them."""
+    import numpy as np
+
+    engine = make_critic()
+    values = engine.values(samples.prompt_ids, samples.response_ids).values
+    engine.train_step(_shard(samples, rank), 1e-3)
+    grads = grads_of(engine)
+    whole_values, whole_grads = whole
+    return {"values_max_diff": float(np.abs(values - whole_values).max()),
+            "value_scale": float(np.abs(whole_values).max()),
+            "grad_max_diff": max(float((grads[n] - whole_grads[n]).abs().max()) for n in grads),
+            "grad_scale": max(float(g.abs().max()) for g in whole_grads.values())}
+
+
+def _with_value_head(files, tokenizer, rank: int):
+    """The policy's files plus a random value head (as a trained critic's checkpoint has one): a
+    new head starts at 0, which would make every value 0 and the comparison of values empty."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hpcrl.engines.model_files import ModelFiles
+
+    directory = Path(tempfile.mkdtemp(prefix=f"hpcrl-critic-{rank}-")) / "critic"
+    shutil.copytree(files.path, directory)
+    hidden = files.config().hidden_size
+    generator = torch.Generator().manual_seed(5)
+    save_file({"score.weight": torch.randn(1, hidden, generator=generator) / hidden ** 0.5,
+               "score.bias": torch.zeros(1)}, directory / "value_head.safetensors")
+    return ModelFiles(directory)
+
+
 def _moved_share(make_engine, samples, rank: int, dtype: str) -> dict:
     import torch
     from torch.distributed.tensor import DTensor
@@ -321,6 +380,19 @@ def main(out: Path) -> None:
         whole = _one_rank(torch_engine(None, False), lambda e: _full_grads(e.module), samples)
         found["uneven_ddp"] = _uneven_check(torch_engine(world, False), lambda e: _full_grads(e.module), whole,
                                             samples, rank, world)
+        critic_samples = _critic_samples(samples, seed=2)
+        critic_files = _with_value_head(files, tokenizer, rank)
+
+        def critic(group, fsdp):
+            return lambda: TorchTrainer(critic_files, _job(), tokenizer.pad_token_id, group, fsdp=fsdp,
+                                        value_head=True)
+
+        whole_critic = critic(None, False)()
+        whole_values = whole_critic.values(critic_samples.prompt_ids, critic_samples.response_ids).values
+        whole_critic.train_step(critic_samples, 1e-3)
+        whole_critic_state = (whole_values, _full_grads(whole_critic.module))
+        found["critic_fsdp2"] = _critic_check(critic(world, True), lambda e: _full_grads(e.module),
+                                              whole_critic_state, critic_samples, rank)
         found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
         found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
         found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")
@@ -335,6 +407,10 @@ def main(out: Path) -> None:
                                                               zero_stage=3))
             found["grad_zero3"] = _grad_check(zero3, lambda e: e.applied, samples, rank, one_rank)
             found["uneven_zero3"] = _uneven_check(zero3, lambda e: e.applied, whole, samples, rank, world)
+            found["critic_zero3"] = _critic_check(
+                lambda: _zero3_grads(DeepSpeedTrainer(critic_files, _job(), tokenizer.pad_token_id, world,
+                                                      zero_stage=3, value_head=True)),
+                lambda e: e.applied, whole_critic_state, critic_samples, rank)
         if importlib.util.find_spec("megatron") is not None:
             _shim_check(files, tokenizer, rank, found)
     except BaseException:
