@@ -43,7 +43,8 @@ shards = tp*pp.
   response positions only) in b, their gradient in b, and for one chunk of 16M elements (at
   least one position: rows x V) the fp32 log-softmax, its exp and its gradient (recomputed in the backward); megatron computes
   fp32 logits for all S positions (and their gradient) and keeps three vocab-wide fp32 tensors
-  of the response positions'. Forward-only roles (reference) keep the logits and one layer's
+  of the response positions'. The critic has one fp32 value per position (and its gradient).
+  Forward-only roles (reference) keep the logits and one layer's
   activations of a micro-batch.
 - reference: weights bS / tp (/ dp with fsdp or ZeRO-3, plus the units gathered for compute).
 - actor_infer: weights b*P / (tp*pp) plus the KV cache of one rollout batch held at once:
@@ -299,7 +300,9 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
     else:
         activations = tokens * layers * per_token * parallel.pp   # 1F1B: pp micro-batches in flight on stage 0
     response = rows * (job.rollout.max_new_tokens + 1) * vocab
-    if megatron:   # fp32 logits of every position and their gradient; three fp32 tensors of the responses'
+    if role == "critic":   # one fp32 value per position (and its gradient) instead of the vocabulary's logits
+        logits = rows * context * 4 * 2
+    elif megatron:   # fp32 logits of every position and their gradient; three fp32 tensors of the responses'
         logits = rows * context * vocab * 4 * (2 if role in TRAINING_ROLES else 1) + response * 4 * 3
     else:
         chunk = min(response, max(LOGSOFTMAX_CHUNK_ELEMENTS, rows * vocab))   # at least one position
