@@ -1,4 +1,4 @@
-"""The `hpcrl` command line: plan, run, submit, status, cancel, report."""
+"""The `hpcrl` command line: plan, run, submit, status, cancel, report, export."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,7 @@ examples:
   hpcrl status                                       # every run under runs/
   hpcrl cancel runs/tiny-grpo                        # stop it (here or in Slurm) after a checkpoint
   hpcrl report runs/tiny-grpo                        # reward curve -> runs/tiny-grpo/report.png
+  hpcrl export runs/tiny-grpo --out tiny-hf          # the trained policy as a Hugging Face model
 
 A job YAML describes the experiment and runs unchanged on any cluster profile; the profile
 (clusters/*.yaml) describes the machine: nodes, devices, memory, Slurm partition and limits.
@@ -144,6 +145,35 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report_main(args.run_dir)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hpcrl.checkpoint import CheckpointError, CheckpointStore
+    from hpcrl.data.tokenizer import load_tokenizer
+    from hpcrl.engines.export import export_policy
+    from hpcrl.engines.model_files import ModelFiles
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "job.yaml").is_file():
+        raise ValueError(f"{run_dir}: no job.yaml (not a run directory written by hpcrl run or hpcrl submit)")
+    job = load_job(run_dir / "job.yaml")
+    store = CheckpointStore(run_dir)
+    found = [(step, path) for step, path in store.steps() if args.step is None or step == args.step]
+    if not found:
+        which = f"step-{args.step}" if args.step is not None else "any checkpoint"
+        have = ", ".join(str(step) for step, _ in store.steps()) or "none"
+        raise ValueError(f"{store.root}: no {which} (checkpoints here: {have}); set checkpoint.every in the job to "
+                         "keep some")
+    step, path = found[0]
+    try:
+        store.verify(path)
+    except CheckpointError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    out = export_policy(job, run_dir, path, load_tokenizer(job.model.path), Path(args.out))
+    count = ModelFiles(out).numel()
+    print(f"hpcrl: exported step {step} ({job.engine('actor_train')} engine, {count / 1e6:.2f}M parameters, "
+          f"{job.model.dtype}) to {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcrl", description="Train LLMs with reinforcement learning as "
                                      "plain Slurm + MPI batch jobs.", epilog=EPILOG,
@@ -200,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Read RUN_DIR/metrics.jsonl, print a summary, write RUN_DIR/report.png.")
     report.add_argument("run_dir", help="a run directory, e.g. runs/tiny-grpo")
     report.set_defaults(func=cmd_report)
+
+    export = sub.add_parser("export", help="write a run's trained policy as a Hugging Face model directory",
+                            description="Read the newest verified checkpoint of RUN_DIR (or step N) of any engine "
+                            "(torch DCP at any DP size, DeepSpeed ZeRO, Megatron TP/PP shards) and write config.json, "
+                            "model.safetensors, the tokenizer and generation_config.json to DIR: what transformers "
+                            "and vLLM load.")
+    export.add_argument("run_dir", help="the run directory, e.g. runs/tiny-grpo")
+    export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
+    export.add_argument("--out", required=True, metavar="DIR", help="the model directory to write (replaced)")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

@@ -26,6 +26,20 @@ class CharTokenizer:
             raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {CHARACTERS!r}") from None
         return [self.bos_token_id] + ids if add_bos else ids
 
+    def to_hf(self):
+        """The same tokenizer as a Hugging Face fast tokenizer (one token per character, the same
+        ids, `<bos>` first as `encode` puts it), for exported models: transformers and vLLM load it
+        from tokenizer.json."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        pad, bos, eos = SPECIAL_TOKENS
+        core = Tokenizer(models.WordLevel(dict(self._ids), unk_token=None))
+        core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        core.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, self.bos_token_id)])
+        core.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad, bos_token=bos, eos_token=eos)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text up to the first `<eos>`, special tokens dropped."""
         chars = []
@@ -55,6 +69,9 @@ class HFTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False)
         return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
+
+    def to_hf(self):
+        return self._tok
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)

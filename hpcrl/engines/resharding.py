@@ -328,11 +328,16 @@ def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup |
     shards are gathered bucket by bucket to TP rank 0. Tensors stay on the device of `local` (NCCL
     moves device tensors only).
     """
-    offset = layer_offset(shape.num_layers, pp, pp_rank)
     merged = _gather_tp(local, tp_group, bucket_bytes)
     if tp_group is not None and dist.get_rank(tp_group) != 0:
         for _ in merged:
             pass
         return
+    yield from hf_tensors(merged, shape, pp, pp_rank)
+
+
+def hf_tensors(merged: Iterable[Named], shape: GPTShape, pp: int, pp_rank: int) -> Iterator[Named]:
+    """HF tensors of one pipeline stage's unsharded Megatron parameters (stage-local names)."""
+    offset = layer_offset(shape.num_layers, pp, pp_rank)
     for name, full in merged:
         yield from mcore_to_hf(renumber(name, offset), full, shape)

@@ -1,0 +1,99 @@
+"""A run's trained policy as a Hugging Face model directory (`hpcrl export`), from any engine's checkpoint.
+
+One process, no MPI, no GPU: each engine's files are read as they were written.
+- torch (DDP or FSDP2): DCP shards, loaded whole into the HF model (any DP size wrote them);
+- deepspeed (ZeRO 1-3): DeepSpeed's own fp32 reconstruction of the partitions (`zero_to_fp32`);
+- megatron: one file per (TP, PP) coordinate; TP shards merged, layers renumbered per stage and
+  converted to HF names by the same functions the weight sync uses (engines/resharding.py).
+The weights are written in the job's dtype, as the trainer hands them to rollout, so the export's
+digest is the trainer's (`log.check_weights`). The directory holds what transformers and vLLM
+load: config.json, model.safetensors, the tokenizer (the character tokenizer as a tokenizer.json)
+and generation_config.json with the job's sampling settings.
+"""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hpcrl.config.job import JobConfig
+from hpcrl.engines.hf_model import DTYPES
+from hpcrl.engines.model_files import ModelFiles, load_full, model_dir, save_model
+
+Named = tuple[str, torch.Tensor]
+
+
+def _torch_weights(files: ModelFiles, state: Path) -> Iterator[Named]:
+    from hpcrl.checkpoint.model_state import load_train_state
+
+    model = load_full(files, torch.float32)   # the masters are fp32 whatever the compute dtype
+    load_train_state(model, None, state)
+    yield from model.named_parameters()
+
+
+def _deepspeed_weights(state: Path) -> Iterator[Named]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    yield from get_fp32_state_dict_from_zero_checkpoint(str(state), tag="state").items()
+
+
+def _megatron_weights(files: ModelFiles, state: Path) -> Iterator[Named]:
+    from hpcrl.engines.resharding import GPTShape, hf_tensors, merge_tp
+
+    shape = GPTShape.from_hf(files.config())
+    stages = sorted({int(p.stem.split("_pp")[1]) for p in state.glob("tp*_pp*.pt")})
+    if not stages:
+        raise FileNotFoundError(f"{state}: no Megatron state files (tpXX_ppYYY.pt)")
+    for pp_rank in stages:
+        shards = [torch.load(p, map_location="cpu", weights_only=False)["model"]
+                  for p in sorted(state.glob(f"tp*_pp{pp_rank:03d}.pt"))]
+        names = [n for n in shards[0] if not n.endswith("_extra_state")]
+        merged = ((name, merge_tp(name, [shard[name] for shard in shards])) for name in names)
+        yield from hf_tensors(merged, shape, len(stages), pp_rank)
+
+
+def trained_weights(job: JobConfig, files: ModelFiles, checkpoint: Path) -> Iterator[Named]:
+    """The actor's weights in `checkpoint` under HF names (the engine's own precision)."""
+    state = checkpoint / "actor_train"
+    engine = job.engine("actor_train")
+    if engine == "torch":
+        return _torch_weights(files, state)
+    if engine == "deepspeed":
+        return _deepspeed_weights(state)
+    return _megatron_weights(files, state)
+
+
+def export_policy(job: JobConfig, run_dir: Path, checkpoint: Path, tokenizer, out: Path) -> Path:
+    """Write the policy of `checkpoint` to `out` as a HF model directory; returns `out`."""
+    files = ModelFiles(model_dir(job, run_dir))
+    dtype = DTYPES[job.model.dtype]
+    model = load_full(files, dtype)
+    weights = dict(trained_weights(job, files, checkpoint))
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"{checkpoint}: the checkpoint does not fit the model of {files.path}: missing "
+                           f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    if out.exists():
+        shutil.rmtree(out)
+    save_model(model, out)
+    _save_tokenizer(tokenizer, out)
+    _generation_config(job, tokenizer).save_pretrained(out)
+    return out
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    tokenizer.to_hf().save_pretrained(out)
+
+
+def _generation_config(job: JobConfig, tokenizer):
+    """The job's sampling, so that `generate` and vLLM sample as rollout did by default."""
+    from transformers import GenerationConfig
+
+    rollout = job.rollout
+    return GenerationConfig(do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p,
+                            top_k=rollout.top_k if rollout.top_k > 0 else None, max_new_tokens=rollout.max_new_tokens,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)

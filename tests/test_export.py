@@ -1,0 +1,56 @@
+"""`hpcrl export`: a run's checkpoint of every training engine becomes a Hugging Face model directory
+that transformers loads strictly, holding bit for bit the weights the trainer handed to rollout."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import hpcrl
+
+from hpcrl.engines.digests import weights_digest
+from hpcrl.metrics import read_metrics
+
+SMALL = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "log.tensorboard=false",
+         "--set", "train.steps=2", "--set", "checkpoint.every=2", "--set", "log.check_weights=true"]
+ENGINES = {   # name -> (the engine, the job's settings)
+    "torch-fsdp2": ("torch", ["roles.actor_train.fsdp=true"]),
+    "deepspeed-zero3": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=3"]),
+    "megatron-tp2": ("megatron", ["roles.actor_train.engine=megatron", "roles.actor_train.parallel.tp=2",
+                                  "roles.actor_train.parallel.dp=1", "roles.reference.engine=megatron"]),
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_export_loads_strictly_in_transformers_with_the_trainers_weights(tmp_path, engine):
+    name, settings = ENGINES[engine]
+    if name != "torch" and importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    sets = [x for o in settings for x in ("--set", o)]
+    trained = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *SMALL, *sets, timeout=300)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    exported = hpcrl("export", str(run_dir), "--out", str(out), timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    assert f"exported step 2 ({name} engine" in exported.stdout
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info   # no missing, unexpected or mismatched keys
+    # the digest the run logged of the weights the trainer staged for rollout at step 2
+    assert weights_digest(model.named_parameters()) == read_metrics(run_dir / "metrics.jsonl")[-1]["digest_actor_train"][0]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("3+4=", return_tensors="pt")
+    assert prompt.input_ids[0, 0] == tokenizer.bos_token_id == model.generation_config.bos_token_id
+    with torch.no_grad():
+        generated = model.generate(**prompt)
+    assert generated.shape[1] <= prompt.input_ids.shape[1] + model.generation_config.max_new_tokens
+
+
+def test_export_names_the_checkpoints_it_has(tmp_path):
+    run_dir = tmp_path / "run"
+    assert hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *SMALL, timeout=300).returncode == 0
+    missing = hpcrl("export", str(run_dir), "--step", "7", "--out", str(tmp_path / "hf"))
+    assert missing.returncode == 2 and "no step-7 (checkpoints here: 2)" in missing.stderr
+    not_a_run = hpcrl("export", str(tmp_path), "--out", str(tmp_path / "hf"))
+    assert not_a_run.returncode == 2 and "no job.yaml" in not_a_run.stderr
