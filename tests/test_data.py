@@ -1,7 +1,11 @@
-"""Tasks, tokenizer, reward and the resumable sampler."""
+"""Tasks, datasets and chat templates, tokenizers, the number reward, and the resumable domain sampler."""
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
+from conftest import REPO
 
 from hpcrl.data import CharTokenizer, ResumableSampler, SamplerState, addition_prompts
 from hpcrl.rewards import answer_reward
@@ -46,3 +50,92 @@ def test_split_and_concat_keep_sample_order():
     shards = split_batch(batch, 3)
     assert [len(s["a"]) for s in shards] == [2, 2, 3]
     assert concat_batches(shards) == batch
+
+
+# ---- datasets, chat template, domain mixing ---------------------------------------------------
+
+RLVR = REPO / "data" / "rlvr"
+
+
+def _mixed_job(tmp_path, *overrides: str):
+    from hpcrl.config import load_job
+
+    (tmp_path / "job.yaml").write_text(f"""\
+name: mix
+model: {{path: {RLVR / 'format-model'}}}
+datasets:
+  - {{path: {RLVR / 'math_train.jsonl'}, tag: math, chat: true, system_prompt: "Answer in \\\\boxed{{}}."}}
+  - {{path: {RLVR / 'code_train.jsonl'}, tag: code, answer_key: tests, reward: code, template: "Task: {{prompt}}"}}
+domain_interleave_probs: {{math: 3, code: 1}}
+roles: {{actor_train: {{}}, actor_infer: {{}}}}
+""")
+    return load_job(tmp_path / "job.yaml", list(overrides))
+
+
+def test_datasets_load_with_templates_and_the_tokenizers_chat_template(tmp_path):
+    from hpcrl.data import load_prompts, load_tokenizer
+
+    job = _mixed_job(tmp_path)
+    tokenizer = load_tokenizer(job.model)
+    train, held = load_prompts(job, tokenizer)
+    assert held == {} and len(train["math"]) == 2000 and len(train["code"]) == 16
+    math = train["math"][0]
+    assert math.text.startswith("<|system|>Answer in \\boxed{}.\n<|user|>") and math.text.endswith("\n<|assistant|>")
+    assert math.domain == "math" and math.answer.isdigit()
+    code = train["code"][0]
+    assert code.text.startswith("Task: Write a Python function") and json.loads(code.answer)["tests"]
+    # held-out prompts for evaluation leave training
+    train, held = load_prompts(_mixed_job(tmp_path, "eval.every=10", "eval.holdout=5"), tokenizer)
+    assert len(held["math"]) == 5 and len(train["math"]) == 1995 and not set(held["math"]) & set(train["math"])
+    assert len({p.text for p in train["math"]}) == 1995, "the shipped problems are all different"
+
+
+def test_a_dataset_file_must_have_its_columns_and_a_chat_dataset_a_chat_template(tmp_path):
+    from hpcrl.config.job import DatasetConfig
+    from hpcrl.data.datasets import dataset_prompts
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"has no column \['prompt'\] \(its columns: question, answer\)"):
+        dataset_prompts(DatasetConfig(path=str(path)), CharTokenizer())
+    with pytest.raises(ValueError, match="the built-in character tokenizer has no chat template"):
+        dataset_prompts(DatasetConfig(path=str(path), prompt_key="question", chat=True), CharTokenizer())
+    parquet = tmp_path / "d.parquet"
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "2+2?", "answer": 4}]).to_parquet(str(parquet))
+    [prompt] = dataset_prompts(DatasetConfig(path=str(parquet), prompt_key="question", tag="p"), CharTokenizer())
+    assert (prompt.text, prompt.answer, prompt.domain) == ("2+2?", "4", "p")
+
+
+def test_domains_are_mixed_by_their_shares_and_resume_exactly():
+    from hpcrl.data import DomainSampler
+
+    prompts = {"math": list(range(100)), "code": list(range(1000, 1010)), "chat": list(range(2000, 2050))}
+    shares = {"math": 0.6, "code": 0.1, "chat": 0.3}
+    sampler = DomainSampler(prompts, seed=4, shares=shares)
+    drawn = sampler.next_batch(2000)
+    for domain, share in shares.items():
+        observed = sum(x in prompts[domain] for x in drawn) / len(drawn)
+        assert abs(observed - share) < 0.05 * share + 0.01, (domain, observed)
+    state = json.loads(json.dumps(sampler.state_dict()))   # as the checkpoint stores it
+    expected = sampler.next_batch(50)
+    resumed = DomainSampler(prompts, seed=4, shares=shares)
+    resumed.load_state_dict(state)
+    assert resumed.next_batch(50) == expected
+
+
+def test_per_domain_metrics_count_rewards_and_outcome_codes():
+    from hpcrl.rollout.lifecycle import Group
+    from hpcrl.runtime.scoring import domain_metrics
+
+    def group(domain, rewards, codes):
+        g = Group(0, 1, np.zeros(1, np.int32), "", len(rewards), domain)
+        g.rewards, g.codes = np.array(rewards), codes
+        return g
+
+    metrics = domain_metrics([group("math", [1.0, 0.0], ["ok", "no_answer"]),
+                              group("code", [0.5, 1.0], ["failed", "ok"])])
+    assert metrics["reward_mean/math"] == 0.5 and metrics["accuracy/math"] == 0.5
+    assert metrics["reward_mean/code"] == 0.75 and metrics["accuracy/code"] == 0.5
+    assert metrics["reward_codes/math/no_answer"] == 0.5 and metrics["reward_codes/code/failed"] == 0.5

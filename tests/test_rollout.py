@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, hpcrl, random_files
 
 from hpcrl.config import load_job
-from hpcrl.data import CharTokenizer, ResumableSampler, load_prompts
+from hpcrl.data import CharTokenizer, DomainSampler, load_prompts
 from hpcrl.metrics import read_metrics
 from hpcrl.ragged import Ragged
 from hpcrl.rollout.lifecycle import Group, LifecycleError, SampleState
@@ -25,7 +25,8 @@ def job(*overrides: str):
 
 def scheduler(*overrides: str) -> RolloutScheduler:
     config = job(*overrides)
-    return RolloutScheduler(config, ResumableSampler(load_prompts(config), seed=1), CharTokenizer().encode)
+    return RolloutScheduler(config, DomainSampler(load_prompts(config, CharTokenizer())[0], seed=1),
+                            CharTokenizer().encode)
 
 
 def finish(s: RolloutScheduler, round_: Round, rewards: list[float]) -> list[Group]:
@@ -42,14 +43,14 @@ def groups_of(round_: Round) -> list[Group]:
 
 
 def test_lifecycle_allows_only_forward_moves():
-    group = Group(0, 1, np.array([1], np.int32), "7", 2)
+    group = Group(0, 1, np.array([1], np.int32), "7", 2, "addition")
     group.start(0)
     group.move(SampleState.REWARDED)
     group.move(SampleState.CONSUMED)
     with pytest.raises(LifecycleError, match="consumed -> generating"):
         group.move(SampleState.GENERATING)
     with pytest.raises(LifecycleError, match="queued -> rewarded"):
-        Group(1, 1, np.array([1], np.int32), "7", 2).move(SampleState.REWARDED)
+        Group(1, 1, np.array([1], np.int32), "7", 2, "addition").move(SampleState.REWARDED)
 
 
 def test_production_waits_for_weights_within_the_bound():
@@ -197,7 +198,7 @@ def reference_synchronous_run(config, steps: int, directory: Path) -> list[float
     from hpcrl.engines.model_files import load_full
     from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
     from hpcrl.engines.torch_trainer import Samples, TorchTrainer
-    from hpcrl.rewards import score_responses
+    from hpcrl.rewards import reward_specs, score_batch
     from hpcrl.runtime.advantages import token_advantages
     from hpcrl.runtime.roles import sample_generator
     from hpcrl.engines.digests import weights_digest
@@ -210,16 +211,18 @@ def reference_synchronous_run(config, steps: int, directory: Path) -> list[float
     rollout = NativeSampler(load_full(files, config.model.dtype), tok.eos_token_id, tok.pad_token_id)
     r = config.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-    sampler = ResumableSampler(load_prompts(config), config.seed)
+    sampler = DomainSampler(load_prompts(config, tok)[0], config.seed)
     size, rewards_per_step = config.algorithm.group_size, []
     for step in range(1, steps + 1):
         prompts = sampler.next_batch(config.train.prompts_per_step)
         prompt_ids = Ragged.from_rows([tok.encode(p.text) for p in prompts for _ in range(size)], np.int32)
         answers = [p.answer for p in prompts for _ in range(size)]
         responses = rollout.generate(prompt_ids, params, sample_generator(config.seed, step, 0)).response_ids
-        rewards = score_responses(tok, responses, answers)
+        rewards, _ = score_batch(tok, responses, answers, [p.domain for p in prompts for _ in range(size)],
+                                 reward_specs(config))
         old, reference = actor.logprobs(prompt_ids, responses), ref.logprobs(prompt_ids, responses)
-        advantages = token_advantages(config.algorithm, rewards, np.arange(len(rewards)) // size, old, reference)
+        advantages = token_advantages(config.algorithm, rewards, np.arange(len(rewards)) // size, old, reference,
+                                      None, config.algorithm.kl_in_reward.coef).columns["advantages"]
         actor.train_step(Samples(prompt_ids, responses, {"old_logprobs": old, "ref_logprobs": reference,
                                                         "advantages": advantages}),
                           learning_rate(config.train, step))

@@ -54,6 +54,8 @@ class ModelConfig(Schema):
     intermediate_size: PositiveInt = 128
     max_position_embeddings: PositiveInt = 64
     vocab_size: PositiveInt | None = Field(None, description="default: the task tokenizer's size")
+    tokenizer: str | None = Field(None, description="a local directory with a Hugging Face tokenizer (tokenizer.json); "
+                                  "default: model.path's, else the built-in character tokenizer")
     tie_word_embeddings: bool = True
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -75,11 +77,36 @@ class TaskConfig(Schema):
 
 
 class DatasetConfig(Schema):
-    """Prompts and reference answers from a local jsonl or parquet file."""
+    """One domain's prompts and reference answers, from a local file read with Hugging Face `datasets`."""
 
-    path: str
+    path: str = Field(..., description="a local .jsonl, .json, .parquet, .arrow or .csv file (nothing is downloaded)")
+    tag: SafeName = Field("default", description="the domain: its reward, its metrics (reward_mean/<tag>) and its "
+                          "share of the batch (domain_interleave_probs)")
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str = Field("answer", description="the reference the reward compares with (code: the tests, as "
+                            "JSON)")
+    template: str = Field("{prompt}", description="the user turn, str.format over the row's columns")
+    chat: bool = Field(False, description="wrap the user turn (after system_prompt) in the tokenizer's chat "
+                       "template, ending with the assistant's turn")
+    system_prompt: str | None = None
+    reward: str = Field("math", description="a registered reward (number, math, code, choice, format, ifeval) or "
+                        "package.module:function")
+    reward_args: dict[str, Any] = Field({}, description="keyword arguments of the reward function")
+    reward_timeout_s: PositiveFloat = Field(30.0, description="a scoring call past this gets reward 0 and the "
+                                            "code reward_timeout")
+
+
+class EvalConfig(Schema):
+    """Held-out prompts scored with greedy and sampled decoding by the current policy."""
+
+    every: NonNegativeInt = Field(0, description="evaluate every N steps and at the end (0: never)")
+    datasets: list[DatasetConfig] | None = Field(None, description="eval sets (their tags are the domains); "
+                                                  "unset: holdout prompts of each training domain")
+    holdout: NonNegativeInt = Field(64, description="without eval datasets: prompts per domain kept out of "
+                                    "training for evaluation")
+    max_prompts: PositiveInt | None = Field(None, description="evaluate at most this many prompts per domain")
+    samples: PositiveInt = Field(4, description="sampled responses per prompt (at rollout.temperature): pass@k "
+                                 "for k up to this")
 
 
 class KLLossConfig(Schema):
@@ -299,7 +326,11 @@ class JobConfig(Schema):
     seed: Seed = 1
     model: ModelConfig = ModelConfig()
     task: TaskConfig | None = None
-    dataset: DatasetConfig | None = None
+    datasets: list[DatasetConfig] | None = Field(None, description="prompt files, one per domain")
+    domain_interleave_probs: dict[str, PositiveFloat] | None = Field(
+        None, description="tag -> share of the prompts drawn from that domain (normalised); unset: in "
+                          "proportion to the datasets' sizes")
+    eval: EvalConfig = EvalConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -320,8 +351,9 @@ class JobConfig(Schema):
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":
         self._check_algorithm_roles()
-        if (self.task is None) == (self.dataset is None):
-            raise ValueError("give exactly one of 'task' (a built-in task) or 'dataset' (a prompt file)")
+        if (self.task is None) == (self.datasets is None):
+            raise ValueError("give exactly one of 'task' (a built-in task) or 'datasets' (prompt files)")
+        self._check_domains()
         for name, role in self.roles.items():
             allowed = ROLE_ENGINES[name]
             if role.engine is not None and role.engine not in allowed:
@@ -340,6 +372,24 @@ class JobConfig(Schema):
             if refused:   # the model's sizes are checked by the plan (hpcrl.placement), from the same table
                 raise ValueError("; ".join(refused))
         return self
+
+    def _check_domains(self) -> None:
+        tags = [d.tag for d in self.datasets or []]
+        if len(set(tags)) != len(tags):
+            raise ValueError(f"datasets: the tags {tags} repeat; give each dataset its own tag (its domain)")
+        if not tags and self.domain_interleave_probs is not None:
+            raise ValueError("domain_interleave_probs: mixes datasets; a built-in task has one domain")
+        unknown = set(self.domain_interleave_probs or {}) - set(tags)
+        missing = set(tags) - set(self.domain_interleave_probs or tags)
+        if unknown or missing:
+            raise ValueError(f"domain_interleave_probs: give a share for each dataset tag {sorted(tags)} "
+                             f"(unknown: {sorted(unknown)}, missing: {sorted(missing)})")
+        if self.eval.every and self.eval.datasets is None and not tags:
+            raise ValueError("eval.every: a built-in task has no held-out split; give eval.datasets")
+
+    def domains(self) -> list[str]:
+        """The training domains (dataset tags; a built-in task's name)."""
+        return [d.tag for d in self.datasets] if self.datasets else [self.task.name]
 
     def _check_algorithm_roles(self) -> None:
         """The roles an algorithm needs, and the sampling whose log-probabilities the trainer can match."""

@@ -1,9 +1,8 @@
-"""Prompt sources: the built-in verifiable tasks and local prompt files, as (prompt, answer) pairs."""
+"""Prompt sources: the built-in verifiable tasks and local prompt files, as (prompt, reference, domain)."""
 from __future__ import annotations
 
-import json
+import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from hpcrl.config.job import JobConfig
@@ -12,36 +11,40 @@ from hpcrl.config.job import JobConfig
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    answer: str
+    answer: str        # the reference the domain's reward compares with
+    domain: str        # the dataset's tag (a built-in task's name)
 
 
 def addition_prompts(digits: int, modulus: int | None = None) -> list[Prompt]:
     """Every `a+b=` with operands of up to `digits` digits, in a fixed order (the sampler shuffles).
     With a modulus the answer is (a+b) mod it, which spreads the answers evenly over the prompts."""
     limit = 10**digits
-    return [Prompt(f"{a}+{b}=", str((a + b) % modulus if modulus else a + b)) for a in range(limit) for b in range(limit)]
+    return [Prompt(f"{a}+{b}=", str((a + b) % modulus if modulus else a + b), "addition")
+            for a in range(limit) for b in range(limit)]
 
 
-def file_prompts(path: str, prompt_key: str, answer_key: str) -> list[Prompt]:
-    """Rows of a jsonl (or parquet, with pyarrow installed) file holding a prompt and its answer."""
-    source = Path(path)
-    if source.suffix == ".parquet":
-        import pyarrow.parquet as pq  # optional: only for parquet datasets
-
-        rows = pq.read_table(source).to_pylist()
-    else:
-        rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-    missing = [i for i, row in enumerate(rows) if prompt_key not in row or answer_key not in row]
-    if missing:
-        raise ValueError(f"{path}: row {missing[0] + 1} lacks '{prompt_key}' or '{answer_key}'")
-    return [Prompt(str(row[prompt_key]), str(row[answer_key])) for row in rows]
-
-
-def load_prompts(job: JobConfig) -> list[Prompt]:
+def load_prompts(job: JobConfig, tokenizer) -> tuple[dict[str, list[Prompt]], dict[str, list[Prompt]]]:
+    """(training, evaluation) prompts by domain. Without `eval.datasets` each domain's evaluation
+    prompts are `eval.holdout` of its own, drawn with the job's seed and left out of training."""
     if job.task is not None:
-        return addition_prompts(job.task.digits, job.task.modulus)
-    assert job.dataset is not None
-    return file_prompts(job.dataset.path, job.dataset.prompt_key, job.dataset.answer_key)
+        train = {job.task.name: addition_prompts(job.task.digits, job.task.modulus)}
+    else:
+        from hpcrl.data.datasets import dataset_prompts
+
+        train = {config.tag: dataset_prompts(config, tokenizer) for config in job.datasets}
+    if job.eval.datasets is not None:
+        from hpcrl.data.datasets import dataset_prompts
+
+        return train, {config.tag: dataset_prompts(config, tokenizer) for config in job.eval.datasets}
+    held = {}
+    if job.eval.every:
+        for domain, prompts in train.items():
+            order = list(range(len(prompts)))
+            random.Random(job.seed).shuffle(order)
+            keep = min(job.eval.holdout, len(prompts) - 1)
+            held[domain] = [prompts[i] for i in sorted(order[:keep])]
+            train[domain] = [prompts[i] for i in sorted(order[keep:])]
+    return train, held
 
 
 def fit_context(prompts: list[Prompt], encode: Callable[[str], list[int]], context: int, max_new_tokens: int

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpcrl.config.job import ModelConfig
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 CHARACTERS = "0123456789+-*=() "
@@ -73,6 +77,14 @@ class HFTokenizer:
     def to_hf(self):
         return self._tok
 
+    def chat_prompt(self, user: str, system: str | None = None) -> str:
+        """The conversation so far as the chat template renders it, ending where the assistant answers."""
+        if self._tok.chat_template is None:
+            raise ValueError(f"{self._tok.name_or_path}: the tokenizer has no chat template (tokenizer_config.json "
+                             "chat_template); set chat: false and a template for the dataset")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
         if self.eos_token_id in ids:
@@ -80,6 +92,8 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(model_path: str | None) -> CharTokenizer | HFTokenizer:
-    """The tokenizer of a local HF model when `model.path` is set, else the task's character tokenizer."""
-    return HFTokenizer(model_path) if model_path else CharTokenizer()
+def load_tokenizer(model: ModelConfig) -> CharTokenizer | HFTokenizer:
+    """`model.tokenizer`, else the tokenizer of the local HF model at `model.path`, else the built-in
+    tasks' character tokenizer."""
+    path = model.tokenizer or model.path
+    return HFTokenizer(path) if path else CharTokenizer()

@@ -22,6 +22,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    greedy: bool = False   # the most likely token each step (evaluation); log-probs stay those of the sampling
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -134,9 +135,12 @@ class NativeSampler:
         for step in range(int(budget.max())):
             logits = out.logits[:, -1].float() / params.temperature
             full_logp = torch.log_softmax(logits, dim=-1)
-            probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1)
-            # The generator lives on the CPU so that a seed means the same samples on any device.
-            token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            if params.greedy:
+                token = logits.argmax(-1)
+            else:
+                probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1)
+                # The generator lives on the CPU so that a seed means the same samples on any device.
+                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
             tokens.append(token)
             logprobs.append(full_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))

@@ -52,7 +52,7 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tok
     return dict(
         n=1,
         max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
-        temperature=params.temperature,
+        temperature=0.0 if params.greedy else params.temperature,   # vLLM's greedy decoding
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else -1,  # -1: no top-k cut (every vLLM version)
         seed=seed,

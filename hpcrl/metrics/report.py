@@ -35,6 +35,7 @@ class RunSummary:
     reward_best_step: int | None
     total_time_s: float | None  # sum of time_step_s: compute time, excluding queue waits between jobs
     samples_per_s_mean: float | None
+    last_eval: dict[str, tuple[int, float]]   # eval/<domain>/<metric> -> (step, value) of the last evaluation
 
 
 def by_step(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,6 +91,8 @@ def summarize(records: Sequence[dict[str, Any]]) -> RunSummary:
         reward_best_step=best_step,
         total_time_s=sum(t for t in times if math.isfinite(t)) if times else None,
         samples_per_s_mean=_mean(rates),
+        last_eval={key: (series(records, key)[0][-1], series(records, key)[1][-1])
+                   for key in domain_keys(records, "eval/")},
     )
 
 
@@ -121,16 +124,43 @@ def format_summary(summary: RunSummary, name: str = "") -> str:
                  f"last-10 {_num(summary.reward_last10)}  best {best}")
     if summary.samples_per_s_mean is not None:
         lines.append(f"throughput   {summary.samples_per_s_mean:.1f} samples/s (mean)")
+    for key, (step, value) in summary.last_eval.items():
+        lines.append(f"{key}  {value:.4g} (step {step})")
     return "\n".join(lines)
 
 
+def domain_keys(records: Sequence[dict[str, Any]], prefix: str, suffix: str = "") -> list[str]:
+    """The metric keys `<prefix><domain><suffix>` recorded, in first-seen order."""
+    keys: dict[str, None] = {}
+    for record in records:
+        keys.update((k, None) for k in record if k.startswith(prefix) and k.endswith(suffix))
+    return list(keys)
+
+
+def _domain_panels(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], str]]:
+    """Panels of several curves: the reward per domain (when there are several) and the evaluation."""
+    panels = []
+    per_domain = domain_keys(records, "reward_mean/")
+    if len(per_domain) > 1:
+        panels.append((per_domain, "reward by domain"))
+    evaluation = domain_keys(records, "eval/", "_reward") + [k for k in domain_keys(records, "eval/")
+                                                              if "/pass@" in k and not k.endswith("@1")]
+    if evaluation:
+        panels.append((evaluation, "evaluation"))
+    return panels
+
+
 def plot_report(records: Sequence[dict[str, Any]], png: Path, title: str = "") -> Path:
-    """Draw reward_mean (raw, rolling mean, ±std band) and the kl / loss / samples/s panels."""
+    """Draw reward_mean (raw, rolling mean, ±std band), the reward per domain and the evaluation
+    curves when the run has them, and the kl / loss / samples/s panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     records = by_step(records)
+    curves = _domain_panels(records)
     panels = [(k, label) for k, label in PANELS if series(records, k)[0]]
+    panels = [([key], label) for key, label in panels]
+    panels = curves + panels
     fig = Figure(figsize=(9, 3.2 + 1.9 * len(panels)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1 + len(panels), 1, sharex=True, squeeze=False,
@@ -155,9 +185,14 @@ def plot_report(records: Sequence[dict[str, Any]], png: Path, title: str = "") -
     ax.grid(alpha=0.3)
     ax.set_title(title or "reward")
 
-    for ax, (key, label) in zip(axes[1:], panels):
-        s, v = series(records, key)
-        ax.plot(s, v, color="C1", linewidth=1.2)
+    for ax, (keys, label) in zip(axes[1:], panels):
+        for index, key in enumerate(keys):
+            s, v = series(records, key)
+            sparse = len(s) < len(records) / 2   # evaluations: a point every few steps
+            ax.plot(s, v, color=f"C{index + 1}", linewidth=1.2, marker="o" if sparse else None, markersize=3,
+                    label=key if len(keys) > 1 else None)
+        if len(keys) > 1:
+            ax.legend(loc="best", fontsize="x-small")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

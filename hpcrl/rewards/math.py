@@ -1,15 +1,23 @@
-"""Rule-based reward for tasks whose answer is a number: the exact answer, then a stop, earns 1.0.
+"""Math rewards: the built-in tasks' exact number, and answers checked for equivalence with math-verify.
 
-Partial credit per position right (the stop counts as a position after the last digit) gives a
-random policy a little reward and GRPO a gradient to climb before the first exact answer is found.
+`number` (the addition task): the exact answer, then a stop, earns 1.0. Partial credit per position
+right (the stop counts as a position after the last digit) gives a random policy a little reward
+and GRPO a gradient to climb before the first exact answer is found.
+
+`math` (datasets): the final answer (`\\boxed{}`, `####`, or the last number) against the reference,
+equal when math-verify finds them mathematically equivalent (fractions, decimals, LaTeX, units,
+sets), as verl's and TRL's math rewards do.
 """
 from __future__ import annotations
 
-import numpy as np
+import logging
+import re
 
-from hpcrl.ragged import Ragged
+from hpcrl.rewards.answers import extract_answer
+from hpcrl.rewards.base import Response, Scored
 
 STOP = "\0"
+_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 def answer_reward(response: str, answer: str, stopped: bool, partial_credit: float = 0.5) -> float:
@@ -22,8 +30,33 @@ def answer_reward(response: str, answer: str, stopped: bool, partial_credit: flo
     return partial_credit * hits / max(len(got), len(want))
 
 
-def score_responses(tokenizer, responses: Ragged, answers: list[str]) -> np.ndarray:
-    """Rewards (float64) for a batch of generated token ids (a response stopped if it ends with `<eos>`)."""
-    return np.array([answer_reward(tokenizer.decode(r.tolist()), a,
-                                   stopped=len(r) > 0 and int(r[-1]) == tokenizer.eos_token_id)
-                     for r, a in zip(responses, answers)], dtype=np.float64)
+def number_reward(response: Response, reference: str, partial_credit: float = 0.5) -> Scored:
+    """`answer_reward` of the built-in tasks, as a registered reward."""
+    reward = answer_reward(response.text, reference, response.stopped, partial_credit)
+    return Scored(reward, "ok" if reward == 1.0 else "wrong")
+
+
+def math_reward(response: Response, reference: str) -> Scored:
+    """1.0 when the response's final answer is equivalent to `reference`; 0 otherwise ("wrong"), or
+    when it gives none ("no_answer"). math-verify's own signal timeouts are off: the caller's
+    time limit (base.time_limit) bounds the call."""
+    from math_verify import parse, verify
+
+    answer = extract_answer(response.text)
+    if answer is None:
+        return Scored(0.0, "no_answer")
+    if _PLAIN_NUMBER.fullmatch(answer) and _PLAIN_NUMBER.fullmatch(reference.strip()):
+        # the common case, 100x faster than sympy: two plain numbers are equal or not
+        return Scored(1.0, "ok") if float(answer) == float(reference) else Scored(0.0, "wrong")
+    logging.getLogger("math_verify").setLevel(logging.ERROR)   # its notice that its own timeouts are off
+    gold = parse(_as_latex(reference), parsing_timeout=None)
+    found = parse(_as_latex(answer), parsing_timeout=None)
+    if not found:
+        return Scored(0.0, "no_answer")
+    return Scored(1.0, "ok") if verify(gold, found, timeout_seconds=None) else Scored(0.0, "wrong")
+
+
+def _as_latex(answer: str) -> str:
+    """math-verify reads LaTeX between dollars (or boxed); a bare answer is wrapped so it parses as one."""
+    answer = answer.strip()
+    return answer if answer.startswith(("$", "\\boxed", "\\(", "\\[")) else f"${answer}$"

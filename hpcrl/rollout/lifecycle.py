@@ -47,14 +47,16 @@ class Group:
     group_id: int
     batch: int
     prompt_ids: np.ndarray                      # int32
-    answer: str
+    answer: str                                 # the reference its domain's reward compares with
     size: int
+    domain: str                                 # which dataset (reward, metrics) the prompt is from
     state: SampleState = SampleState.QUEUED
     version: int = -1                           # oldest policy version that generated any of its tokens
     response_ids: list[np.ndarray] = field(default_factory=list)        # per sample, int32
     behaviour_logprobs: list[np.ndarray] = field(default_factory=list)  # per sample, float32
     finished: np.ndarray | None = None                                  # per sample: the response has ended
     rewards: np.ndarray | None = None                                   # per sample, float64, once scored
+    codes: list[str] | None = None                                      # per sample: the reward's outcome code
 
     def move(self, state: SampleState) -> None:
         if state not in ALLOWED[self.state]:

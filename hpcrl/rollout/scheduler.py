@@ -25,7 +25,7 @@ import numpy as np
 
 from hpcrl.algos import nonzero_variance_groups
 from hpcrl.config.job import JobConfig
-from hpcrl.data import ResumableSampler
+from hpcrl.data import DomainSampler
 from hpcrl.ragged import Ragged
 from hpcrl.rollout.lifecycle import Group, SampleState
 
@@ -61,7 +61,7 @@ class Round:
 
 
 class RolloutScheduler:
-    def __init__(self, job: JobConfig, sampler: ResumableSampler, encode: Callable[[str], list[int]]):
+    def __init__(self, job: JobConfig, sampler: DomainSampler, encode: Callable[[str], list[int]]):
         self.job = job
         self.sampler = sampler
         self.encode = encode
@@ -131,7 +131,7 @@ class RolloutScheduler:
         groups = []
         for prompt in self.sampler.next_batch(count):
             group = Group(self.next_group_id, batch, np.asarray(self.encode(prompt.text), dtype=np.int32),
-                          prompt.answer, self.group_size)
+                          prompt.answer, self.group_size, prompt.domain)
             self.next_group_id += 1
             group.start(version)
             self.groups[group.group_id] = group
@@ -151,12 +151,19 @@ class RolloutScheduler:
             touched[group.group_id] = group
         return [g for _, g in sorted(touched.items()) if g.done and g.state is SampleState.GENERATING]
 
-    def rewarded(self, groups: list[Group], rewards: np.ndarray) -> None:
-        """Store the scores of finished groups; apply dynamic sampling; abort what is not needed."""
+    def rewarded(self, groups: list[Group], rewards: np.ndarray, codes: list[str] | None = None) -> None:
+        """Store the scores (and outcome codes) of finished groups; apply dynamic sampling; abort
+        what is not needed."""
         size = self.group_size
+        scored = []
         for i, group in enumerate(groups):
+            if self.groups.get(group.group_id) is not group:   # aborted while its scores were computed
+                continue
             group.rewards = np.asarray(rewards[i * size:(i + 1) * size], dtype=np.float64)
+            group.codes = list(codes[i * size:(i + 1) * size]) if codes is not None else ["ok"] * size
             group.move(SampleState.REWARDED)
+            scored.append(group)
+        groups = scored
         if self.job.algorithm.dynamic_sampling and groups:
             self._filter(groups)
         for batch in {g.batch for g in groups}:
@@ -233,11 +240,13 @@ class RolloutScheduler:
             "scored": np.array([g.state is SampleState.REWARDED for g, _ in rows], dtype=bool),
             "prompt_ids": Ragged.from_arrays([g.prompt_ids for g, _ in rows], np.int32),
             "answer": [g.answer for g, _ in rows],
+            "domain": [g.domain for g, _ in rows],
             "response_ids": Ragged.from_arrays([g.response_ids[i] for g, i in rows], np.int32),
             "behaviour_logprobs": Ragged.from_arrays([g.behaviour_logprobs[i] for g, i in rows], np.float32),
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
+            "code": [g.codes[i] if g.codes is not None else "" for g, i in rows],
         }
 
     def restore(self, step: int, buffer: dict, next_group_id: int, attempts: dict[int, int],
@@ -251,7 +260,7 @@ class RolloutScheduler:
             gid = int(buffer["group_id"][row])
             if gid not in self.groups:
                 group = Group(gid, int(buffer["batch"][row]), np.array(buffer["prompt_ids"][row]),
-                              buffer["answer"][row], self.group_size)
+                              buffer["answer"][row], self.group_size, buffer["domain"][row])
                 group.start(int(buffer["version"][row]))
                 group.response_ids, group.behaviour_logprobs = [], []
                 self.groups[gid] = group
@@ -263,5 +272,7 @@ class RolloutScheduler:
             if bool(buffer["scored"][row]):
                 if group.rewards is None:
                     group.rewards = np.zeros(self.group_size, dtype=np.float64)
+                    group.codes = [""] * self.group_size
                     group.move(SampleState.REWARDED)
                 group.rewards[sample] = buffer["rewards"][row]
+                group.codes[sample] = buffer["code"][row]

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(layout.local_device[rank])
         init_torch_distributed("nccl" if profile.device == "cuda" else "gloo")
         groups = build_process_groups(layout, rank, job.rollout.sync_timeout_s)
-        tokenizer = load_tokenizer(job.model.path)
+        tokenizer = load_tokenizer(job.model)
         weights = _initial_weights(job, tokenizer, Path(args.run_dir), rank)
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller

@@ -17,25 +17,23 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean, pstdev
 from typing import Any
 
 import numpy as np
-import torch
 
 from hpcrl.checkpoint import EXIT_REQUEUE, PreemptionSignal, clear_control, control_reason, read_control
 from hpcrl.config.constants import EXIT_STOPPED
 from hpcrl.config.job import JobConfig
-from hpcrl.algos import adaptive_kl_coef, overlong_penalty
-from hpcrl.data import ResumableSampler, SamplerState, fit_context, load_prompts
+from hpcrl.algos import adaptive_kl_coef
+from hpcrl.data import DomainSampler, fit_context, load_prompts
 from hpcrl.engines.digests import combine_digests
 from hpcrl.engines.lr_schedule import learning_rate
 from hpcrl.metrics import StepRecorder
 from hpcrl.placement.memory import ModelShape
 from hpcrl.ragged import Ragged
-from hpcrl.rewards import score_responses
 from hpcrl.rollout.lifecycle import Group
 from hpcrl.rollout.scheduler import Round, RolloutScheduler
 from hpcrl.runtime.advantages import mean_kl, token_advantages
@@ -44,7 +42,9 @@ from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, busy, run, wa
 from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN, TAG_SYNC
 from hpcrl.runtime.off_policy import off_policy_columns
+from hpcrl.runtime.evaluation import Evaluator
 from hpcrl.runtime.residency import Residency
+from hpcrl.runtime.scoring import Scorer, domain_metrics
 
 
 class Busy:
@@ -82,6 +82,7 @@ class _InFlight:
     version: int = -1     # stage/push: the policy version; train: the step
     round: Round | None = None
     metrics: dict[str, Any] | None = None
+    groups: list[Group] | None = None   # scoring: the groups whose responses are scored
 
 
 class Controller:
@@ -105,8 +106,12 @@ class Controller:
         self.loaders = WorkerGroup("actor_infer", sync.loaders)
         trainer = layout.roles["actor_train"]
         self.trainer_replicas = [trainer.stage_leaders(d) for d in range(trainer.dp_size)]  # their stage leaders
-        self.sampler = ResumableSampler(self._prompts(), seed=job.seed)
+        train_prompts, eval_prompts = self._prompts()
+        self.sampler = DomainSampler(train_prompts, job.seed, job.domain_interleave_probs)
         self.scheduler = RolloutScheduler(job, self.sampler, tokenizer.encode)
+        self.scorer = Scorer(job, tokenizer, self.groups.get("reward"), self.residency.enter)
+        self.evaluator = Evaluator(job, eval_prompts, tokenizer.encode)
+        self.scoring: list[_InFlight] = []       # reward workers scoring finished groups
         self.preemption = preemption
         self.checkpointer = Checkpointer(job, layout, run_dir, self.everyone)
         self.step = 0                 # train steps done = the policy version the trainer holds
@@ -123,21 +128,26 @@ class Controller:
         self.times: dict[str, float] = {}
         self.kl_in_reward_coef = job.algorithm.kl_in_reward.coef   # adapted per step when a target is set
 
-    def _prompts(self) -> list:
-        """The job's prompts that fit the model's context with a whole response; the rest are left
-        out, with a count on stderr (verl filters overlong prompts the same way)."""
+    def _prompts(self) -> tuple[dict[str, list], dict[str, list]]:
+        """(training, evaluation) prompts by domain that fit the model's context with a whole
+        response; the rest are left out, with a count on stderr (verl filters overlong prompts the
+        same way)."""
         job = self.job
-        prompts = load_prompts(job)
         context = ModelShape.from_model(job.model).max_position_embeddings
-        kept, dropped = fit_context(prompts, self.tokenizer.encode, context, job.rollout.max_new_tokens)
         what = (f"longer than the {context} positions of the model's context (model.max_position_embeddings) less "
                 f"rollout.max_new_tokens = {job.rollout.max_new_tokens}")
-        if not kept:
-            raise ValueError(f"every one of the {len(prompts)} prompts is {what}: raise model.max_position_embeddings "
-                             "or lower rollout.max_new_tokens")
-        if dropped:
-            print(f"hpcrl: {dropped} of {len(prompts)} prompts are {what}: left out", file=sys.stderr, flush=True)
-        return kept
+        found = load_prompts(job, self.tokenizer)
+        for split in found:
+            for domain, prompts in split.items():
+                kept, dropped = fit_context(prompts, self.tokenizer.encode, context, job.rollout.max_new_tokens)
+                if prompts and not kept:
+                    raise ValueError(f"domain {domain}: every one of the {len(prompts)} prompts is {what}: raise "
+                                     "model.max_position_embeddings or lower rollout.max_new_tokens")
+                if dropped:
+                    print(f"hpcrl: domain {domain}: {dropped} of {len(prompts)} prompts are {what}: left out",
+                          file=sys.stderr, flush=True)
+                split[domain] = kept
+        return found
 
     # -- production ---------------------------------------------------------------------------
     def _start_round(self) -> None:
@@ -160,23 +170,20 @@ class Controller:
         done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
                                            result["finished"])
         if done:
-            self.scheduler.rewarded(done, self._score(done))
+            responses = Ragged.from_arrays([r for g in done for r in g.response_ids], np.int32)
+            pending = self.scorer.start(responses, [g.answer for g in done for _ in range(g.size)],
+                                        [g.domain for g in done for _ in range(g.size)])
+            self.scoring.append(_InFlight(pending, started, groups=done))
+            self._finish_scoring()   # scored here at once without reward workers
         self._add_time("reward", time.perf_counter() - started)
 
-    def _score(self, groups: list[Group]) -> np.ndarray:
-        responses = Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)
-        answers = [g.answer for g in groups for _ in range(g.size)]
-        if "reward" in self.groups:
-            self.residency.enter("reward")
-            rewards = run(self.groups["reward"], "score", Dispatch.DP_SPLIT,
-                          {"response_ids": responses, "answers": answers})["rewards"]
-        else:
-            rewards = score_responses(self.tokenizer, responses, answers)
-        algo, limit = self.job.algorithm, self.job.rollout.max_new_tokens
-        if algo.overlong_shaping:
-            rewards = rewards + overlong_penalty(torch.from_numpy(responses.lengths), limit,
-                                                 algo.overlong_buffer(limit), algo.overlong_penalty).numpy()
-        return rewards
+    def _finish_scoring(self) -> None:
+        """Hand the groups whose scores have come back to the scheduler (the rest stay in flight)."""
+        for flight in [f for f in self.scoring if f.pending.done]:
+            self.scoring.remove(flight)
+            responses = Ragged.from_arrays([r for g in flight.groups for r in g.response_ids], np.int32)
+            rewards, codes = self.scorer.finish(flight.pending, responses)
+            self.scheduler.rewarded(flight.groups, rewards, codes)
 
     def _add_time(self, stage: str, seconds: float) -> None:
         self.times[f"time_{stage}_s"] = self.times.get(f"time_{stage}_s", 0.0) + seconds
@@ -235,6 +242,7 @@ class Controller:
             "samples": float(len(rewards)),
             "lr": lr,
             **stats,
+            **domain_metrics(groups),
         })
         if algo.kl_in_reward.target is not None:
             self.kl_in_reward_coef = adaptive_kl_coef(self.kl_in_reward_coef, found.sequence_kl,
@@ -298,24 +306,28 @@ class Controller:
                                    f"{self.train_digest}, actor_infer {loaded}")
             self.digests["digest_actor_infer"] = loaded
 
-    def _sync_now(self) -> None:
+    def _sync_now(self, digest: bool = True) -> None:
         """Stage (unless a staging with digests is under way) and push at once, with digests
         compared (at start, and after every step with `log.check_weights`): waits for the round
-        in flight."""
+        in flight. Without `digest` (evaluation) only what rollout lacks is sent, unchecked."""
         self._settle()
         if self.staged_version < self.step:
-            self._stage(digest=True)
+            self._stage(digest=digest)
             wait(self.staging.pending)
             self._staged()
-        self._push(digest=True)
-        wait(self.pushing.pending)
-        self._pushed()
+        if digest or self.rollout_version < self.step:
+            self._push(digest=digest)
+            wait(self.pushing.pending)
+            self._pushed()
 
     def _settle(self) -> None:
-        """Let the round, the staging and the push in flight end (checks, checkpoints)."""
+        """Let the round, its scoring, the staging and the push in flight end (checks, checkpoints)."""
         if self.round is not None:
             wait(self.round.pending)
             self._finish_round()
+        if self.scoring:
+            wait(*[f.pending for f in self.scoring])
+            self._finish_scoring()
         if self.staging is not None:
             wait(self.staging.pending)
             self._staged()
@@ -350,8 +362,10 @@ class Controller:
                 self._advance()
                 # staging before training: a staging finished before the train call behind it is handled first
                 flights = [f for f in (self.round, self.staging, self.pushing, self.training) if f is not None]
-                done = wait_any([f.pending for f in flights])
-                if self.round is not None and done is self.round.pending:
+                done = wait_any([f.pending for f in flights + self.scoring])
+                if any(done is f.pending for f in self.scoring):
+                    self._finish_scoring()
+                elif self.round is not None and done is self.round.pending:
                     self._finish_round()
                 elif self.staging is not None and done is self.staging.pending:
                     self._staged()
@@ -365,6 +379,8 @@ class Controller:
                     elapsed = time.perf_counter() - step_started
                     step_started = time.perf_counter()
                     metrics.update(self._step_times(elapsed, metrics["samples"]))
+                    if self.evaluator.due(self.step):
+                        metrics.update(self._evaluate())
                     recorder.record(self.step, {"step": self.step, **metrics, "policy_version": self.step})
                     if metrics["batch_groups"] < job.train.prompts_per_step:
                         recorder.write(f"hpcrl: step {self.step} trained on a short batch: {metrics['batch_groups']:.0f} "
@@ -398,6 +414,25 @@ class Controller:
             self._stage(digest=self.job.log.check_weights)
         return metrics
 
+    def _evaluate(self) -> dict[str, float]:
+        """Evaluation of the policy of this step, once rollout holds its weights (hpcrl.runtime.evaluation)."""
+        started = time.perf_counter()
+        self._sync_now(digest=False)
+
+        def generate(batch, attempt: int, greedy: bool) -> Ragged:
+            self.residency.enter("rollout")
+            return run(self.groups["actor_infer"], "generate", Dispatch.DP_SPLIT, batch, self.step, attempt,
+                       greedy)["response_ids"]
+
+        def score(responses: Ragged, answers: list[str], domains: list[str]) -> np.ndarray:
+            pending = self.scorer.start(responses, answers, domains)
+            wait(pending)
+            return self.scorer.finish(pending, responses)[0]
+
+        metrics = self.evaluator.run(self.step, generate, score)
+        metrics["time_eval_s"] = time.perf_counter() - started
+        return metrics
+
     def _request(self) -> str | None:
         """'requeue' or 'stop' when a signal reached this rank or RUN_DIR/control asks for one (the
         batch script, `hpcrl run` and `hpcrl cancel` write it); a warning outranks a stop."""
@@ -424,7 +459,7 @@ class Controller:
         self._settle()   # the round's samples go into the buffer; no collective is left in flight
         for role in ("actor_train", "critic"):   # save_state reads the trained roles' state on their devices
             self.residency.need(role, "train")
-        state = {"step": self.step, "sampler": asdict(self.sampler.state), "policy_version": self.step,
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "policy_version": self.step,
                  "kl_in_reward_coef": self.kl_in_reward_coef,
                  "next_group_id": self.scheduler.next_group_id,
                  "attempts": [[b, n] for b, n in self.scheduler.attempts.items()],
@@ -439,7 +474,7 @@ class Controller:
             return
         controller = state.controller
         self.step = int(controller["step"])
-        self.sampler.state = SamplerState(**controller["sampler"])
+        self.sampler.load_state_dict(controller["sampler"])
         self.scheduler.restore(self.step, state.buffer or {}, int(controller["next_group_id"]),
                                {int(b): int(n) for b, n in controller["attempts"]},
                                {int(b): int(n) for b, n in controller["rounds"]})

@@ -1,6 +1,7 @@
 """The roles a worker rank can host. Each public method is callable by the controller."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Iterable, Iterator
@@ -19,7 +20,7 @@ from hpcrl.engines.digests import combine_digests, tensor_digests, weights_diges
 from hpcrl.engines.registry import generation_engine, training_engine
 from hpcrl.engines.torch_trainer import Samples
 from hpcrl.ragged import Batch
-from hpcrl.rewards import score_responses
+from hpcrl.rewards import reward_specs, score_batch
 from hpcrl.runtime.faults import behaviour_shift, decode_delay_s
 from hpcrl.runtime.messages import TAG_ADDRESS
 from hpcrl.runtime.mpi_world import free_port, poll_recv, send
@@ -231,14 +232,16 @@ class ActorInfer(Resident):
         if self.engine is not None:
             self.engine.wake()
 
-    def generate(self, batch: Batch, step: int, attempt: int = 0) -> Batch | None:
+    def generate(self, batch: Batch, step: int, attempt: int = 0, greedy: bool = False) -> Batch | None:
         """One round: a response (or its continuation) per row, each within its `budgets` entry of
-        new tokens; rows still running after `rollout.max_round_s` come back unfinished."""
+        new tokens; rows still running after `rollout.max_round_s` come back unfinished. `greedy`:
+        the most likely tokens (evaluation)."""
         if self.engine is None:  # a vLLM TP follower: the replica's first rank answers for it
             return None
         limit = self.job.rollout.max_round_s
         generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
-        out: Generation = self.engine.generate(batch["prompt_ids"], self.params, generator, batch["budgets"],
+        params = dataclasses.replace(self.params, greedy=greedy)
+        out: Generation = self.engine.generate(batch["prompt_ids"], params, generator, batch["budgets"],
                                                None if limit is None else time.monotonic() + limit)
         shift = behaviour_shift()   # 0 but in the mismatch tests
         logprobs = out.logprobs.with_values(out.logprobs.values + shift) if shift else out.logprobs
@@ -269,13 +272,18 @@ class ActorInfer(Resident):
 
 
 class Reward:
-    """Rule-based reward on a worker (when the job places a `reward` role; else the controller scores)."""
+    """Reward workers (when the job places a `reward` role; else the controller scores): each scores
+    its share of a batch, every sample by its domain's reward (hpcrl.rewards.scoring), while rollout
+    and training go on."""
 
     def __init__(self, ctx: RoleContext):
         self.tokenizer = ctx.tokenizer
+        self.specs = reward_specs(ctx.job)
 
     def score(self, batch: Batch) -> Batch:
-        return {"rewards": score_responses(self.tokenizer, batch["response_ids"], batch["answers"])}
+        rewards, codes = score_batch(self.tokenizer, batch["response_ids"], batch["answers"], batch["domains"],
+                                     self.specs)
+        return {"rewards": rewards, "codes": codes}
 
 
 ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "critic": Critic, "actor_infer": ActorInfer,

@@ -1,0 +1,49 @@
+"""What every reward function takes and returns, and the time limit each call runs under.
+
+A reward function is a plain function `(response, reference, **reward_args) -> float | Scored`:
+`response` is the decoded text with whether it ended with the end-of-sequence token (or was cut by
+the token budget), `reference` the dataset's answer column as text (for code tasks: its tests, as
+JSON), `reward_args` the job's `reward_args` for the domain. A `Scored` carries a per-sample
+outcome code besides the reward (e.g. "no_answer", "compile_error"), counted in the metrics.
+"""
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Response:
+    text: str
+    stopped: bool   # ended with <eos>; False: cut off by rollout.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Scored:
+    reward: float
+    code: str = "ok"
+
+
+RewardFunction = Callable[..., "float | Scored"]
+
+
+class RewardTimeout(Exception):
+    """A reward function ran past its time limit."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise RewardTimeout in the block after `seconds` (wall clock, SIGALRM: the main thread only,
+    which is where the controller and the reward workers score)."""
+    def expire(signum, frame):
+        raise RewardTimeout(f"over {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,107 @@
+"""Reward functions by domain: answer extraction, math-verify equivalence, code in the sandbox, choice,
+format and instruction rules, user-defined rewards, and what a failing reward costs (its sample only)."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from hpcrl.data import CharTokenizer
+from hpcrl.ragged import Ragged
+from hpcrl.rewards import REWARDS, Response, RewardSpec, Scored, reward_function, score_batch
+from hpcrl.rewards.answers import extract_answer
+from hpcrl.rewards.code import code_reward
+from hpcrl.rewards.math import math_reward
+from hpcrl.rewards.text_rules import choice_reward, format_reward, ifeval_reward
+
+
+def said(text: str, stopped: bool = True) -> Response:
+    return Response(text, stopped)
+
+
+@pytest.mark.parametrize("text, found", [
+    (r"so the answer is \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
+    (r"\boxed{a} then \boxed{b^{2}}", "b^{2}"),
+    ("she has 3 then 1,250 coins", "1250"),
+    ("#### 42\n", "42"),
+    ("no number here", None),
+])
+def test_the_final_answer_is_the_last_boxed_then_hashes_then_last_number(text, found):
+    assert extract_answer(text) == found
+
+
+@pytest.mark.parametrize("response, reference", [
+    (r"\boxed{\frac{1}{2}}", "0.5"),
+    (r"\boxed{0.5}", r"\frac{1}{2}"),
+    (r"\boxed{\dfrac{6}{4}}", "3/2"),
+    (r"\boxed{1,000}", "1000"),
+    (r"\boxed{3\text{ cm}}", "3"),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
+    (r"\boxed{50\%}", "0.5"),
+    ("The answer is 7.", "7"),
+])
+def test_math_answers_equal_up_to_form_are_correct(response, reference):
+    assert math_reward(said(response), reference) == Scored(1.0, "ok")
+
+
+@pytest.mark.parametrize("response, reference, code", [
+    (r"\boxed{\frac{1}{3}}", "0.5", "wrong"),
+    (r"\boxed{0.333}", r"\frac{1}{3}", "wrong"),
+    (r"\boxed{-2}", "2", "wrong"),
+    ("I do not know", "2", "no_answer"),
+])
+def test_math_answers_that_differ_are_wrong(response, reference, code):
+    assert math_reward(said(response), reference) == Scored(0.0, code)
+
+
+TESTS = json.dumps({"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]})
+
+
+@pytest.mark.parametrize("program, reward, code", [
+    ("```python\ndef add(a, b):\n    return a + b\n```", 1.0, "ok"),
+    ("def add(a, b):\n    return a + b if a > 0 else 1\n", 2 / 3, "failed"),
+    ("def add(a, b)\n    return a + b", 0.0, "compile_error"),
+    ("raise ValueError('no')", 0.0, "runtime_error"),
+    ("import os\nos._exit(0)", 0.0, "runtime_error"),
+    ("def add(a, b):\n    while True:\n        pass", 0.0, "timeout"),
+    ("print('\\n' + 'x' * 64)\ndef add(a, b):\n    return 99", 0.0, "failed"),   # printing cannot pose as results
+])
+def test_code_runs_against_its_tests_in_the_sandbox(program, reward, code):
+    assert code_reward(said(program), TESTS, wall_s=3.0, cpu_s=1) == pytest.approx(Scored(reward, code))
+
+
+def test_choice_format_and_instruction_rules():
+    assert choice_reward(said("Thinking... the answer is (C)."), "C") == Scored(1.0, "ok")
+    assert choice_reward(said("B"), "C") == Scored(0.0, "wrong")
+    assert format_reward(said("<think>add them</think> 7"), "") == Scored(1.0, "ok")
+    assert format_reward(said("7"), "").code == "wrong_format"
+    assert format_reward(said("<think>add them</think> 7", stopped=False), "").code == "truncated"
+    rules = json.dumps([{"rule": "max_words", "n": 3}, {"rule": "lowercase"}, {"rule": "contains", "word": "yes"}])
+    assert ifeval_reward(said("yes indeed"), rules) == Scored(1.0, "ok")
+    assert ifeval_reward(said("Yes it is so"), rules) == pytest.approx(Scored(1 / 3, "broke_rules"))
+
+
+def test_a_user_reward_by_dotted_path_and_what_its_failures_cost(monkeypatch):
+    module = types.ModuleType("my_rewards")
+    module.length = lambda response, reference, target=3: float(len(response.text) == target)
+    module.broken = lambda response, reference: 1 / 0
+    module.slow = lambda response, reference: __import__("time").sleep(5)
+    module.nan = lambda response, reference: float("nan")
+    monkeypatch.setitem(sys.modules, "my_rewards", module)
+    tokenizer = CharTokenizer()
+    responses = Ragged.from_rows([tokenizer.encode("123", add_bos=False) + [tokenizer.eos_token_id]] * 4, np.int32)
+    specs = {"ok": RewardSpec(reward_function("my_rewards:length"), {"target": 3}),
+             "broken": RewardSpec(reward_function("my_rewards:broken")),
+             "slow": RewardSpec(reward_function("my_rewards:slow"), timeout_s=0.2),
+             "nan": RewardSpec(reward_function("my_rewards:nan"))}
+    rewards, codes = score_batch(tokenizer, responses, [""] * 4, list(specs), specs)
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert codes == ["ok", "reward_error", "reward_timeout", "reward_error"]
+    with pytest.raises(ValueError, match="unknown reward 'maths': use one of number, math, code"):
+        reward_function("maths")
+    with pytest.raises(ValueError, match="cannot import it"):
+        reward_function("no_such_module:f")
+    assert set(REWARDS) == {"number", "math", "code", "choice", "format", "ifeval"}
