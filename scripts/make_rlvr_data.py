@@ -8,9 +8,9 @@ Deterministic (a fixed seed), small, and made here so that nothing is downloaded
   (digits one token each, as Llama's and Qwen's tokenizers split them), saved as tokenizer.json
   with a chat template and <pad>/<bos>/<eos>, so these jobs use the real HF tokenizer path.
 - format-model/: the tiny policy of jobs/tiny_rlvr_mix.yaml after a few hundred supervised steps
-  that teach the answer's form, `\\boxed{N}` then <eos>, with N drawn at random: it knows how to
-  answer, not what (its eval reward is about 1/18; RLVR starts from a model that follows the
-  format, as after SFT: reward from scratch would be too sparse for a tiny model on CPU). Its
+  on bare sums and differences ("3 + 4 = ?" -> `\\boxed{7}` then <eos>): it answers in the format
+  and can add, but has never read a word problem (eval reward 0.16 on them; RLVR teaches it to,
+  as RL after SFT does: reward from scratch would be too sparse for a tiny model on CPU). Its
   tokenizer is beside it.
 
     .venv/bin/python scripts/make_rlvr_data.py [--out data/rlvr]
@@ -110,10 +110,10 @@ FORMAT_MODEL = {"arch": "qwen2", "hidden_size": 96, "num_layers": 3, "num_heads"
                 "intermediate_size": 256, "max_position_embeddings": 64}
 
 
-def teach_format(rows: list[dict], tokenizer_dir: Path, out: Path, rng: random.Random, steps: int = 300,
+def teach_format(rows: list[dict], tokenizer_dir: Path, out: Path, rng: random.Random, steps: int = 800,
                  batch: int = 32) -> None:
-    """Supervised steps on (problem, \\boxed{a random number from 1 to 18}): the answer's form, not
-    its value."""
+    """Supervised steps on bare sums and differences ("3 + 4 = ?" -> \\boxed{7}): the answer's form and
+    arithmetic, never a word problem (the policy's eval reward on them starts at 0.16)."""
     import torch
 
     from hpcrl.config.job import ModelConfig
@@ -127,9 +127,11 @@ def teach_format(rows: list[dict], tokenizer_dir: Path, out: Path, rng: random.R
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):
         ids, targets = [], []
-        for row in rng.sample(rows, batch):
-            prompt = tokenizer.encode(tokenizer.chat_prompt(row["prompt"], SYSTEM))
-            answer = tokenizer.encode(f"\\boxed{{{rng.randint(1, 18)}}}", add_bos=False) + [tokenizer.eos_token_id]
+        for _ in range(batch):
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+            question, result = (f"{a} + {b} = ?", a + b) if rng.random() < 0.5 else (f"{a + b} - {b} = ?", a)
+            prompt = tokenizer.encode(tokenizer.chat_prompt(question, SYSTEM))
+            answer = tokenizer.encode(f"\\boxed{{{result}}}", add_bos=False) + [tokenizer.eos_token_id]
             ids.append(prompt + answer)
             targets.append([-100] * len(prompt) + answer)
         width = max(map(len, ids))

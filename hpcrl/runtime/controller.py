@@ -357,6 +357,8 @@ class Controller:
         self._sync_now()  # rollout starts from exactly the trainer's weights, checked once
         with StepRecorder(self.run_dir, job.train.steps, job.log.print_every, job.log.tensorboard,
                           resume_step=self.step, restored=self.history) as recorder:
+            if self.step == 0 and self.evaluator.due(0):   # the starting point, what the run improves on
+                recorder.record(0, {"policy_version": 0, **self._evaluate()})
             step_started = time.perf_counter()
             while self.step < job.train.steps:
                 self._advance()

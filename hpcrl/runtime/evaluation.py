@@ -1,8 +1,8 @@
 """Evaluation on held-out prompts: greedy and sampled decoding by the current policy, per domain.
 
-Every `eval.every` steps and after the last, rollout (holding the trainer's weights of that step)
-answers each evaluation prompt once greedily and `eval.samples` times at the rollout temperature;
-the responses are scored by their domain's reward. Per domain the metrics get the mean greedy
+Before the first step (recorded as step 0), every `eval.every` steps and after the last, rollout
+(holding the trainer's weights of that step) answers each evaluation prompt once greedily and
+`eval.samples` times at the rollout temperature; the responses are scored by their domain's reward. Per domain the metrics get the mean greedy
 and sampled rewards and pass@1 and pass@k (a response is correct when its reward is 1), with the
 unbiased estimator of Chen et al. 2021.
 """
@@ -36,6 +36,7 @@ class Evaluator:
         self.ids = Ragged.from_rows([encode(p.text) for p in self.prompts], np.int32)
 
     def due(self, step: int) -> bool:
+        """At step 0 (the starting policy), every `eval.every` steps, and after the last."""
         every = self.job.eval.every
         return bool(self.prompts) and every > 0 and (step % every == 0 or step == self.job.train.steps)
 
