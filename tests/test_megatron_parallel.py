@@ -85,7 +85,8 @@ def _job(arch: str, tied: bool):
         "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01},
         "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
         "rollout": {"temperature": 0.9},
-        "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {}},
+        "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {},
+                  "reference": {"engine": "megatron", "colocate_with": "actor_train"}},   # the KL loss's
     })
 
 

@@ -104,4 +104,39 @@ def test_a_user_reward_by_dotted_path_and_what_its_failures_cost(monkeypatch):
         reward_function("maths")
     with pytest.raises(ValueError, match="cannot import it"):
         reward_function("no_such_module:f")
-    assert set(REWARDS) == {"number", "math", "code", "choice", "format", "ifeval"}
+    assert set(REWARDS) == {"number", "math", "code", "choice", "format", "ifeval", "judge"}
+
+
+def test_a_judge_model_reads_the_response_and_scores_it():
+    """The shipped starting policy (it adds and subtracts bare numbers) as the judge: its score is the
+    value of the expression it is shown, so it must have read the response."""
+    from conftest import REPO
+
+    from hpcrl.data.tokenizer import HFTokenizer
+    from hpcrl.rewards.judge import judge_reward
+
+    model = str(REPO / "data" / "rlvr" / "format-model")
+    template = "<|system|>Answer with the number in \\boxed{{}}.\n<|user|>{response} = ?\n<|assistant|>"
+    spec = RewardSpec(reward_function("judge"), {"model": model, "template": template, "scale": 10,
+                                                 "max_new_tokens": 8})
+    tokenizer = HFTokenizer(model)
+    responses = Ragged.from_rows([tokenizer.encode(text, add_bos=False) + [tokenizer.eos_token_id]
+                                  for text in ("3 + 4", "2 + 2", "9 - 1")], np.int32)
+    rewards, codes = score_batch(tokenizer, responses, ["", "", ""], ["judged"] * 3, {"judged": spec})
+    assert rewards.tolist() == pytest.approx([0.7, 0.4, 0.8]) and codes == ["ok"] * 3
+
+
+def test_a_batched_reward_that_fails_costs_its_domains_samples_only(monkeypatch):
+    module = types.ModuleType("batch_rewards")
+
+    def broken(responses, references):
+        raise RuntimeError("judge is down")
+
+    broken.batched = True
+    module.broken = broken
+    monkeypatch.setitem(sys.modules, "batch_rewards", module)
+    tokenizer = CharTokenizer()
+    responses = Ragged.from_rows([tokenizer.encode("7", add_bos=False)] * 3, np.int32)
+    specs = {"judged": RewardSpec(reward_function("batch_rewards:broken")), "plain": RewardSpec(reward_function("number"))}
+    rewards, codes = score_batch(tokenizer, responses, ["7", "7", "7"], ["judged", "plain", "judged"], specs)
+    assert codes == ["reward_error", "wrong", "reward_error"] and rewards[0] == rewards[2] == 0.0

@@ -43,7 +43,7 @@ def test_rollout_generates_with_the_trained_weights(short_run):
 
 def test_prompts_that_leave_no_room_for_a_response_are_left_out_and_counted(short_run):
     _, _, stderr = short_run
-    assert ("hpcrl: 9900 of 10000 prompts are longer than the 8 positions of the model's context "
+    assert ("hpcrl: domain addition: 9900 of 10000 prompts are longer than the 8 positions of the model's context "
             "(model.max_position_embeddings) less rollout.max_new_tokens = 3: left out") in stderr
 
 

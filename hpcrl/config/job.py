@@ -89,8 +89,8 @@ class DatasetConfig(Schema):
     chat: bool = Field(False, description="wrap the user turn (after system_prompt) in the tokenizer's chat "
                        "template, ending with the assistant's turn")
     system_prompt: str | None = None
-    reward: str = Field("math", description="a registered reward (number, math, code, choice, format, ifeval) or "
-                        "package.module:function")
+    reward: str = Field("math", description="a registered reward (number, math, code, choice, format, ifeval, "
+                        "judge) or package.module:function")
     reward_args: dict[str, Any] = Field({}, description="keyword arguments of the reward function")
     reward_timeout_s: PositiveFloat = Field(30.0, description="a scoring call past this gets reward 0 and the "
                                             "code reward_timeout")

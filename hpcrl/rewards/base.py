@@ -2,9 +2,11 @@
 
 A reward function is a plain function `(response, reference, **reward_args) -> float | Scored`:
 `response` is the decoded text with whether it ended with the end-of-sequence token (or was cut by
-the token budget), `reference` the dataset's answer column as text (for code tasks: its tests, as
-JSON), `reward_args` the job's `reward_args` for the domain. A `Scored` carries a per-sample
-outcome code besides the reward (e.g. "no_answer", "compile_error"), counted in the metrics.
+the token budget) and the prompt, `reference` the dataset's answer column as text (for code tasks:
+its tests, as JSON), `reward_args` the job's `reward_args` for the domain. A `Scored` carries a
+per-sample outcome code besides the reward (e.g. "no_answer", "compile_error"), counted in the
+metrics. A function with `batched = True` (a model judge) takes a domain's lists of responses and
+references at once and returns a list.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Response:
     text: str
-    stopped: bool   # ended with <eos>; False: cut off by rollout.max_new_tokens
+    stopped: bool      # ended with <eos>; False: cut off by rollout.max_new_tokens
+    prompt: str = ""   # what the policy was asked (for judges)
 
 
 @dataclass(frozen=True)

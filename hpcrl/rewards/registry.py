@@ -5,6 +5,7 @@ import importlib
 
 from hpcrl.rewards.base import RewardFunction
 from hpcrl.rewards.code import code_reward
+from hpcrl.rewards.judge import judge_reward
 from hpcrl.rewards.math import math_reward, number_reward
 from hpcrl.rewards.text_rules import choice_reward, format_reward, ifeval_reward
 
@@ -15,6 +16,7 @@ REWARDS: dict[str, RewardFunction] = {
     "choice": choice_reward,
     "format": format_reward,
     "ifeval": ifeval_reward,
+    "judge": judge_reward,
 }
 
 

@@ -53,20 +53,40 @@ def score_one(spec: RewardSpec, response: Response, reference: str) -> Scored:
         print(f"hpcrl: reward {getattr(spec.function, '__name__', spec.function)} raised {exc!r}; reward 0",
               file=sys.stderr, flush=True)
         return Scored(0.0, "reward_error")
-    scored = result if isinstance(result, Scored) else Scored(float(result))
-    return scored if math.isfinite(scored.reward) else Scored(0.0, "reward_error")
+    return result if isinstance(result, Scored) else Scored(float(result))
+
+
+def score_many(spec: RewardSpec, responses: list[Response], references: list[str]) -> list[Scored]:
+    """A batched reward (a judge) over a domain's samples at once, under one time limit."""
+    try:
+        with time_limit(spec.timeout_s):
+            return [r if isinstance(r, Scored) else Scored(float(r))
+                    for r in spec.function(responses, references, **spec.args)]
+    except RewardTimeout:
+        return [Scored(0.0, "reward_timeout")] * len(responses)
+    except Exception as exc:
+        print(f"hpcrl: reward {getattr(spec.function, '__name__', spec.function)} raised {exc!r}; reward 0 for "
+              f"{len(responses)} samples", file=sys.stderr, flush=True)
+        return [Scored(0.0, "reward_error")] * len(responses)
 
 
 def score_batch(tokenizer, responses: Ragged, references: Sequence[str], domains: Sequence[str],
-                specs: dict[str, RewardSpec]) -> tuple[np.ndarray, list[str]]:
-    """(rewards float64, outcome codes) of decoded responses (stopped: the last token is <eos>)."""
-    rewards, codes = np.zeros(len(references), dtype=np.float64), []
-    for index, (ids, reference, domain) in enumerate(zip(responses, references, domains)):
-        stopped = len(ids) > 0 and int(ids[-1]) == tokenizer.eos_token_id
-        scored = score_one(specs[domain], Response(tokenizer.decode(ids.tolist()), stopped), reference)
-        rewards[index] = scored.reward
-        codes.append(scored.code)
-    return rewards, codes
+                specs: dict[str, RewardSpec], prompts: Ragged | None = None) -> tuple[np.ndarray, list[str]]:
+    """(rewards float64, outcome codes) of decoded responses (stopped: the last token is <eos>);
+    `prompts`: their prompts' ids, decoded for the rewards that read them (judges)."""
+    decoded = [Response(tokenizer.decode(ids.tolist()), len(ids) > 0 and int(ids[-1]) == tokenizer.eos_token_id,
+                        tokenizer.decode(prompts[i].tolist()) if prompts is not None else "")
+               for i, ids in enumerate(responses)]
+    scored: list[Scored | None] = [None] * len(decoded)
+    for domain in dict.fromkeys(domains):
+        spec, mine = specs[domain], [i for i, d in enumerate(domains) if d == domain]
+        if getattr(spec.function, "batched", False):
+            results = score_many(spec, [decoded[i] for i in mine], [references[i] for i in mine])
+        else:
+            results = [score_one(spec, decoded[i], references[i]) for i in mine]
+        for i, result in zip(mine, results):
+            scored[i] = result if math.isfinite(result.reward) else Scored(0.0, "reward_error")
+    return np.array([s.reward for s in scored], dtype=np.float64), [s.code for s in scored]
 
 
 def code_counts(domains: Sequence[str], codes: Sequence[str]) -> dict[str, float]:

@@ -170,8 +170,9 @@ class Controller:
         done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
                                            result["finished"])
         if done:
+            prompts = Ragged.from_arrays([g.prompt_ids for g in done for _ in range(g.size)], np.int32)
             responses = Ragged.from_arrays([r for g in done for r in g.response_ids], np.int32)
-            pending = self.scorer.start(responses, [g.answer for g in done for _ in range(g.size)],
+            pending = self.scorer.start(prompts, responses, [g.answer for g in done for _ in range(g.size)],
                                         [g.domain for g in done for _ in range(g.size)])
             self.scoring.append(_InFlight(pending, started, groups=done))
             self._finish_scoring()   # scored here at once without reward workers
@@ -293,7 +294,7 @@ class Controller:
         self.rollout_version = version   # every round started after this runs with these weights
         self.residency.enter("rollout")  # FIFO on the loaders: they are woken before the weights land
         self.pushing = _InFlight(_All(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
-                                       self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
+                                      self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
                                  time.perf_counter(), version=version)
 
     def _pushed(self) -> None:
@@ -426,8 +427,8 @@ class Controller:
             return run(self.groups["actor_infer"], "generate", Dispatch.DP_SPLIT, batch, self.step, attempt,
                        greedy)["response_ids"]
 
-        def score(responses: Ragged, answers: list[str], domains: list[str]) -> np.ndarray:
-            pending = self.scorer.start(responses, answers, domains)
+        def score(prompts: Ragged, responses: Ragged, answers: list[str], domains: list[str]) -> np.ndarray:
+            pending = self.scorer.start(prompts, responses, answers, domains)
             wait(pending)
             return self.scorer.finish(pending, responses)[0]
 

@@ -41,18 +41,20 @@ class Evaluator:
         return bool(self.prompts) and every > 0 and (step % every == 0 or step == self.job.train.steps)
 
     def run(self, step: int, generate, score) -> dict[str, float]:
-        """`generate(batch, attempt, greedy) -> response ids`; `score(responses, answers, domains) -> rewards`."""
+        """`generate(batch, attempt, greedy) -> response ids`; `score(prompts, responses, answers, domains)
+        -> rewards`."""
         k = self.job.eval.samples
         budget = self.job.rollout.max_new_tokens
         rows = np.arange(len(self.prompts))
         answers = [p.answer for p in self.prompts]
         domains = [p.domain for p in self.prompts]
         greedy = generate({"prompt_ids": self.ids, "budgets": np.full(len(rows), budget)}, EVAL_ATTEMPT, True)
-        greedy_rewards = score(greedy, answers, domains)
+        greedy_rewards = score(self.ids, greedy, answers, domains)
         repeated = np.repeat(rows, k)
         sampled = generate({"prompt_ids": self.ids.take(repeated), "budgets": np.full(len(repeated), budget)},
                            EVAL_ATTEMPT + 1 + step, False)
-        sampled_rewards = score(sampled, [answers[i] for i in repeated], [domains[i] for i in repeated]).reshape(-1, k)
+        sampled_rewards = score(self.ids.take(repeated), sampled, [answers[i] for i in repeated],
+                                [domains[i] for i in repeated]).reshape(-1, k)
         metrics = {}
         for domain in dict.fromkeys(domains):
             mine = [i for i, d in enumerate(domains) if d == domain]

@@ -282,7 +282,7 @@ class Reward:
 
     def score(self, batch: Batch) -> Batch:
         rewards, codes = score_batch(self.tokenizer, batch["response_ids"], batch["answers"], batch["domains"],
-                                     self.specs)
+                                     self.specs, batch["prompt_ids"])
         return {"rewards": rewards, "codes": codes}
 
 

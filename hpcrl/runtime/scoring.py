@@ -41,14 +41,14 @@ class Scorer:
         self.job, self.tokenizer, self.workers, self.enter_stage = job, tokenizer, workers, enter_stage
         self.specs = reward_specs(job) if workers is None else None
 
-    def start(self, responses: Ragged, answers: Sequence[str], domains: Sequence[str]):
+    def start(self, prompts: Ragged, responses: Ragged, answers: Sequence[str], domains: Sequence[str]):
         """Begin scoring; returns what to wait on (its value: {"rewards", "codes"} without shaping)."""
         if self.workers is None:
-            rewards, codes = score_batch(self.tokenizer, responses, answers, domains, self.specs)
+            rewards, codes = score_batch(self.tokenizer, responses, answers, domains, self.specs, prompts)
             return Done({"rewards": rewards, "codes": codes})
         self.enter_stage("reward")
-        return self.workers.call("score", Dispatch.DP_SPLIT,
-                                 {"response_ids": responses, "answers": list(answers), "domains": list(domains)})
+        return self.workers.call("score", Dispatch.DP_SPLIT, {"prompt_ids": prompts, "response_ids": responses,
+                                                              "answers": list(answers), "domains": list(domains)})
 
     def finish(self, pending, responses: Ragged) -> tuple[np.ndarray, list[str]]:
         """(rewards with the overlong shaping, outcome codes) of a completed `start`."""
