@@ -13,7 +13,7 @@ Deterministic (a fixed seed), small, and made here so that nothing is downloaded
   as RL after SFT does: reward from scratch would be too sparse for a tiny model on CPU). Its
   tokenizer is beside it.
 
-    .venv/bin/python scripts/make_rlvr_data.py [--out data/rlvr]
+    .venv/bin/python scripts/make_rlvr_data.py [--out data/rlvr] [--no-model]
 """
 from __future__ import annotations
 
@@ -149,6 +149,7 @@ def teach_format(rows: list[dict], tokenizer_dir: Path, out: Path, rng: random.R
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/rlvr")
+    parser.add_argument("--no-model", action="store_true", help="the data and the tokenizer only (seconds)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,8 +163,9 @@ def main() -> None:
     corpus += [f"\\boxed{{{row['answer']}}}" for row in files["math_train.jsonl"]]
     corpus += [row["solution"] for row in files["code_train.jsonl"] + files["code_eval.jsonl"]]
     train_tokenizer(corpus, out / "tokenizer")
-    teach_format(files["math_train.jsonl"], out / "tokenizer", out / "format-model", rng)
-    print(f"wrote {', '.join(sorted(files))}, tokenizer/ and format-model/ to {out}")
+    if not args.no_model:
+        teach_format(files["math_train.jsonl"], out / "tokenizer", out / "format-model", rng)
+    print(f"wrote {', '.join(sorted(files))}, tokenizer/{'' if args.no_model else ' and format-model/'} to {out}")
 
 
 if __name__ == "__main__":

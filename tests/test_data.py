@@ -139,3 +139,15 @@ def test_per_domain_metrics_count_rewards_and_outcome_codes():
     assert metrics["reward_mean/math"] == 0.5 and metrics["accuracy/math"] == 0.5
     assert metrics["reward_mean/code"] == 0.75 and metrics["accuracy/code"] == 0.5
     assert metrics["reward_codes/math/no_answer"] == 0.5 and metrics["reward_codes/code/failed"] == 0.5
+
+
+def test_the_shipped_data_and_tokenizer_are_what_the_script_makes(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "make_rlvr_data.py"), "--out", str(tmp_path),
+                             "--no-model"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for name in ("math_train.jsonl", "math_eval.jsonl", "code_train.jsonl", "code_eval.jsonl",
+                 "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (RLVR / name).read_bytes(), name
