@@ -384,8 +384,6 @@ class JobConfig(Schema):
         if unknown or missing:
             raise ValueError(f"domain_interleave_probs: give a share for each dataset tag {sorted(tags)} "
                              f"(unknown: {sorted(unknown)}, missing: {sorted(missing)})")
-        if self.eval.every and self.eval.datasets is None and not tags:
-            raise ValueError("eval.every: a built-in task has no held-out split; give eval.datasets")
 
     def domains(self) -> list[str]:
         """The training domains (dataset tags; a built-in task's name)."""

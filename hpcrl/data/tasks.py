@@ -26,15 +26,13 @@ def addition_prompts(digits: int, modulus: int | None = None) -> list[Prompt]:
 def load_prompts(job: JobConfig, tokenizer) -> tuple[dict[str, list[Prompt]], dict[str, list[Prompt]]]:
     """(training, evaluation) prompts by domain. Without `eval.datasets` each domain's evaluation
     prompts are `eval.holdout` of its own, drawn with the job's seed and left out of training."""
+    from hpcrl.data.datasets import dataset_prompts   # Hugging Face datasets: imported when files are read
+
     if job.task is not None:
         train = {job.task.name: addition_prompts(job.task.digits, job.task.modulus)}
     else:
-        from hpcrl.data.datasets import dataset_prompts
-
         train = {config.tag: dataset_prompts(config, tokenizer) for config in job.datasets}
     if job.eval.datasets is not None:
-        from hpcrl.data.datasets import dataset_prompts
-
         return train, {config.tag: dataset_prompts(config, tokenizer) for config in job.eval.datasets}
     held = {}
     if job.eval.every:

@@ -41,6 +41,18 @@ def reward_specs(job: JobConfig) -> dict[str, RewardSpec]:
     return specs
 
 
+_reported: set[tuple[str, type]] = set()
+
+
+def _report(spec: RewardSpec, exc: Exception) -> None:
+    """Say once per reward function and kind of error what went wrong (the metrics count every sample)."""
+    name = getattr(spec.function, "__name__", str(spec.function))
+    if (name, type(exc)) not in _reported:
+        _reported.add((name, type(exc)))
+        print(f"hpcrl: reward {name} raised {exc!r}: its samples score 0 with the code reward_error (said once "
+              "per error type; reward_codes/<domain>/reward_error counts them)", file=sys.stderr, flush=True)
+
+
 def score_one(spec: RewardSpec, response: Response, reference: str) -> Scored:
     try:
         with time_limit(spec.timeout_s):
@@ -50,8 +62,7 @@ def score_one(spec: RewardSpec, response: Response, reference: str) -> Scored:
     except SandboxUnavailable:
         raise
     except Exception as exc:   # a user's reward with a bug, a malformed reference: this sample only
-        print(f"hpcrl: reward {getattr(spec.function, '__name__', spec.function)} raised {exc!r}; reward 0",
-              file=sys.stderr, flush=True)
+        _report(spec, exc)
         return Scored(0.0, "reward_error")
     return result if isinstance(result, Scored) else Scored(float(result))
 
@@ -65,8 +76,7 @@ def score_many(spec: RewardSpec, responses: list[Response], references: list[str
     except RewardTimeout:
         return [Scored(0.0, "reward_timeout")] * len(responses)
     except Exception as exc:
-        print(f"hpcrl: reward {getattr(spec.function, '__name__', spec.function)} raised {exc!r}; reward 0 for "
-              f"{len(responses)} samples", file=sys.stderr, flush=True)
+        _report(spec, exc)
         return [Scored(0.0, "reward_error")] * len(responses)
 
 
