@@ -31,7 +31,7 @@ import numpy as np
 
 from hpcrl.ragged import Ragged
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: the sampler's state per domain, and each buffered sample's domain and reward code
 STATE_FILE = "state.h5"
 _STR = h5py.string_dtype("utf-8")
 
@@ -174,7 +174,9 @@ def load_run_state(path: str | os.PathLike) -> RunState:
     with h5py.File(path, "r") as f:
         version = int(f.attrs.get("format_version", -1))
         if version != FORMAT_VERSION:
-            raise ValueError(f"{path}: format_version {version} is not {FORMAT_VERSION}")
+            raise ValueError(f"{path}: format_version {version} is not {FORMAT_VERSION} (written by another hpcrl "
+                             "version, whose controller state differs): resume it with that version, or start the "
+                             "run over with --restart")
         group = f["buffer"]
         buffer = {name: _read_column(group[f"c{index}"])
                   for index, name in enumerate(json.loads(group.attrs["columns"]))}
