@@ -70,6 +70,38 @@ def test_sampling_is_reproducible_from_the_generator_seed():
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_continuous_batching_samples_what_each_prompt_alone_would():
+    """Rows leave the batch as they finish and waiting prompts take their slots; every row samples
+    from its own generator, so with the same seeds the tokens and log-probs are those of each prompt
+    generated alone, for any number of slots."""
+    _, tokenizer, model = tiny()
+    prompts = rows([tokenizer.encode(f"{a}+{b}=") for a, b in [(1, 2), (34, 5), (6, 78), (9, 0), (12, 3)] * 3])
+    seeds = np.arange(len(prompts)) * 101 + 7
+    params = SamplingParams(12)
+    alone = [NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(
+        prompts.take(np.array([i])), params, torch.Generator(), seeds=seeds[i:i + 1]) for i in range(len(prompts))]
+    lengths = {len(a.response_ids[0]) for a in alone}
+    assert len(lengths) > 2, "the responses end at different lengths (else no row would leave early)"
+    for slots in (None, 4, 1):
+        sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=slots)
+        out = sampler.generate(prompts, params, torch.Generator(), seeds=seeds)
+        assert out.response_ids.tolist() == [a.response_ids[0].tolist() for a in alone], slots
+        for row, a in zip(out.logprobs, alone):
+            assert np.allclose(row, a.logprobs[0], atol=1e-5)
+        assert out.finished.all()
+
+
+def test_a_deadline_leaves_waiting_prompts_unstarted_and_unfinished():
+    import time
+
+    _, tokenizer, model = tiny()
+    slow = NativeSampler(model, -1, tokenizer.pad_token_id, step_delay_s=0.05, max_seqs=2)
+    cut = slow.generate(rows([tokenizer.encode("1+1=")] * 5), SamplingParams(50), torch.Generator().manual_seed(0),
+                        deadline=time.monotonic() + 0.2)
+    assert not cut.finished.any() and cut.response_ids.lengths[:2].min() >= 1
+    assert cut.response_ids.lengths[2:].tolist() == [0, 0, 0], "the waiting ones start in the next round"
+
+
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isfinite(_filter_logits(logits, 2, 1.0)).tolist() == [[True, True, False, False]]

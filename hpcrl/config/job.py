@@ -213,6 +213,9 @@ class RolloutConfig(Schema):
     top_p: UnitInterval = 1.0
     top_k: NonNegativeInt = 0
     max_staleness: NonNegativeInt = Field(0, description="policy versions a consumed sample may lag (0: synchronous)")
+    max_num_seqs: PositiveInt | None = Field(None, description="sequences a rollout replica decodes at once "
+                                             "(continuous batching: a finished one leaves, a waiting one joins); "
+                                             "unset: all of a round's")
     is_correction: Literal["ppo", "tis", "mis", "seq-tis"] = Field(
         "ppo", description="stale samples (and fresh ones under mismatch_correction): ppo takes the loss's ratio against the behaviour policy, so the clip "
                            "bounds the whole move from the policy that sampled; tis, mis and seq-tis take the ratio "

@@ -5,12 +5,14 @@ sample, the generated token ids and their log-probabilities under the sampling d
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from hpcrl.engines import kv_rows
 from hpcrl.engines.batch import left_pad, positions
 from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
 from hpcrl.ragged import Ragged
@@ -55,9 +57,12 @@ class Generation:
 
 
 class NativeSampler:
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0):
-        """`step_delay_s`: a pause after every decoding step, for tests of long rounds only."""
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0,
+                 max_seqs: int | None = None):
+        """`max_seqs`: sequences decoding at once (rollout.max_num_seqs; None: every prompt of a call);
+        `step_delay_s`: a pause after every decoding step, for tests of long rounds only."""
         self.model = model
+        self.max_seqs = max_seqs
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.step_delay_s = step_delay_s
@@ -115,54 +120,112 @@ class NativeSampler:
 
     @torch.no_grad()
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
-                 budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:
+                 budgets: np.ndarray | None = None, deadline: float | None = None,
+                 seeds: np.ndarray | None = None) -> Generation:
         """Sample a response per prompt; each stops at `<eos>` (kept), after `budgets[i]` tokens
-        (default `params.max_new_tokens`), or unfinished when `time.monotonic()` passes `deadline`."""
-        batch = len(prompts)
-        if not batch:
+        (default `params.max_new_tokens`), or unfinished when `time.monotonic()` passes `deadline`.
+
+        Continuous batching: at most `max_seqs` sequences decode together; a finished one leaves
+        the batch at once and a waiting prompt takes its place (after its own prefill), so a long
+        response never keeps the short ones' slots busy. Every sequence samples from a generator
+        of its own (`seeds[i]`, else drawn from `generator`), so its tokens do not depend on which
+        others share its batch."""
+        count = len(prompts)
+        if not count:
             return Generation.empty(0)
         self.model.eval()
-        device = next(self.model.parameters()).device
-        input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, self.pad_id))
-        position_ids = positions(attention_mask)
-        budget = torch.as_tensor(budgets if budgets is not None else np.full(batch, params.max_new_tokens),
-                                 dtype=torch.long, device=device)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True)
-        finished = budget <= 0
-        lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        tokens, logprobs = [], []
-        for step in range(int(budget.max())):
-            logits = out.logits[:, -1].float() / params.temperature
-            full_logp = torch.log_softmax(logits, dim=-1)
-            if params.greedy:
-                token = logits.argmax(-1)
-            else:
-                probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1)
-                # The generator lives on the CPU so that a seed means the same samples on any device.
-                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
-            token = torch.where(finished, torch.full_like(token, self.pad_id), token)
-            tokens.append(token)
-            logprobs.append(full_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-            lengths += (~finished).long()
-            finished |= (token == self.eos_id) | (step + 1 >= budget)
+        budgets = np.asarray(budgets if budgets is not None else np.full(count, params.max_new_tokens))
+        if seeds is None:
+            seeds = torch.randint(0, 2 ** 62, (count,), generator=generator).numpy()
+        run = _Decoding(self, prompts, params, budgets, seeds)
+        while run.waiting or run.active:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            run.admit()
+            run.step()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            if bool(finished.all()) or (deadline is not None and time.monotonic() > deadline):
-                break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            out = self.model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask,
-                             position_ids=position_ids, use_cache=True, **_kv_cache(out))
-        if not tokens:
-            return Generation.empty(batch)
-        lengths = lengths.cpu().numpy()
-        return Generation(Ragged.from_padded(torch.stack(tokens, 1).cpu().numpy().astype(np.int32), lengths),
-                          Ragged.from_padded(torch.stack(logprobs, 1).float().cpu().numpy(), lengths),
-                          finished.cpu().numpy())
+        return run.generation()
+
+def _cache_of(out) -> tuple[str, object]:
+    """(the keyword a forward takes it by, the KV cache a forward returned): transformers 5.20
+    renamed `past_key_values` to `cache`, and vLLM 0.32 (built for our torch) needs transformers
+    < 5.20, so both spellings are served."""
+    return ("cache", out.cache) if hasattr(out, "cache") else ("past_key_values", out.past_key_values)
 
 
-def _kv_cache(out) -> dict:
-    """The KV cache to pass back: transformers 5.20 renamed `past_key_values` to `cache`, and vLLM
-    0.32 (built for our torch) needs transformers < 5.20, so both spellings are served."""
-    return {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
+class _Decoding:
+    """One `generate` call's sequences: waiting, decoding together in one cache, or done."""
+
+    def __init__(self, sampler: NativeSampler, prompts: Ragged, params: SamplingParams, budgets: np.ndarray,
+                 seeds: np.ndarray):
+        self.sampler, self.prompts, self.params, self.budgets = sampler, prompts, params, budgets
+        self.device = next(sampler.model.parameters()).device
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.tokens: list[list[int]] = [[] for _ in range(len(prompts))]
+        self.logprobs: list[list[float]] = [[] for _ in range(len(prompts))]
+        self.finished = budgets <= 0
+        self.waiting = collections.deque(np.flatnonzero(~self.finished).tolist())
+        self.active: list[int] = []   # rows of the cache, in order
+        self.cache, self.mask, self.logits, self.next_position = None, None, None, None
+        self.cache_key = "past_key_values"
+
+    def admit(self) -> None:
+        """Prefill waiting prompts into the free slots and add them to the decoding batch."""
+        free = (self.sampler.max_seqs or len(self.prompts)) - len(self.active)
+        if free <= 0 or not self.waiting:
+            return
+        rows = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        ids, mask = (t.to(self.device) for t in left_pad(self.prompts.take(np.array(rows)), self.sampler.pad_id))
+        out = self.sampler.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
+        self.cache_key, cache = _cache_of(out)
+        logits, lengths = out.logits[:, -1], mask.sum(1)
+        if self.cache is None:
+            self.cache, self.mask, self.logits, self.next_position = cache, mask, logits, lengths
+        else:
+            self.mask = kv_rows.concat_rows(self.cache, self.mask, cache, mask)
+            self.logits = torch.cat([self.logits, logits])
+            self.next_position = torch.cat([self.next_position, lengths])
+        self.active += rows
+
+    def step(self) -> None:
+        """Sample a token for every decoding sequence; finished ones leave; the rest advance one position."""
+        params = self.params
+        logits = self.logits.float() / params.temperature
+        full_logp = torch.log_softmax(logits, dim=-1)
+        if params.greedy:
+            chosen = logits.argmax(-1)
+        else:
+            probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1).cpu()
+            # each sequence's own CPU generator: a seed means the same tokens on any device, in any batch
+            chosen = torch.cat([torch.multinomial(probs[j], 1, generator=self.generators[row])
+                                for j, row in enumerate(self.active)]).to(self.device)
+        picked = full_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+        keep = []
+        for j, (row, token) in enumerate(zip(self.active, chosen.cpu().tolist())):
+            self.tokens[row].append(token)
+            self.logprobs[row].append(picked[j])
+            done = token == self.sampler.eos_id or len(self.tokens[row]) >= self.budgets[row]
+            self.finished[row] = done
+            if not done:
+                keep.append(j)
+        if len(keep) < len(self.active):
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.active = [self.active[j] for j in keep]
+            if not keep:
+                self.cache = self.mask = self.logits = self.next_position = None
+                return
+            self.mask = kv_rows.trim_left(self.cache, kv_rows.select_rows(self.cache, self.mask, index))
+            chosen, self.next_position = chosen[index], self.next_position[index]
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.active), 1))], dim=1)
+        out = self.sampler.model(input_ids=chosen.unsqueeze(-1), attention_mask=self.mask,
+                                 position_ids=self.next_position.unsqueeze(-1), use_cache=True,
+                                 **{self.cache_key: self.cache})
+        self.cache_key, self.cache = _cache_of(out)
+        self.logits = out.logits[:, -1]
+        self.next_position = self.next_position + 1
+
+    def generation(self) -> Generation:
+        return Generation(Ragged.from_rows([np.asarray(t, np.int32) for t in self.tokens], np.int32),
+                          Ragged.from_rows([np.asarray(lp, np.float32) for lp in self.logprobs], np.float32),
+                          self.finished.copy())

@@ -65,7 +65,7 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tok
 
 def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, seed: int,
                gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool,
-               filtered_sampling: bool = False) -> dict[str, Any]:
+               filtered_sampling: bool = False, max_num_seqs: int | None = None) -> dict[str, Any]:
     """vllm.LLM(**these): the weights loaded by vLLM itself from the HF directory (each TP worker
     reads its own shard), token ids in and out (no tokenizer), sleep mode on for colocated roles,
     the log-probabilities of the unfiltered distribution (see the module doc)."""
@@ -81,6 +81,7 @@ def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, se
         load_format="safetensors",
         enable_sleep_mode=True,
         logprobs_mode="raw_logprobs" if filtered_sampling else "processed_logprobs",
+        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),   # vLLM's own continuous batching
     )
 
 
@@ -138,7 +139,8 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, eos_id: int, seed: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
-                 sleep_level: int = 1, devices: Sequence[int] = (), filtered_sampling: bool = False):
+                 sleep_level: int = 1, devices: Sequence[int] = (), filtered_sampling: bool = False,
+                 max_num_seqs: int | None = None):
         """Serve the HF model in `model_dir` (`model.path` or the run's random init), which vLLM
         loads itself. Alone in a one-rank world with TP = 1, vLLM runs in this process; otherwise
         its engine runs in child processes (their own torch.distributed world, TP workers on
@@ -160,7 +162,8 @@ class VLLMEngine:
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.llm = vllm.LLM(**llm_kwargs(str(model_dir), tensor_parallel_size, dtype, seed, gpu_memory_utilization,
-                                         config.max_position_embeddings, enforce_eager, filtered_sampling))
+                                         config.max_position_embeddings, enforce_eager, filtered_sampling,
+                                         max_num_seqs))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
                  budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:

@@ -205,14 +205,16 @@ class ActorInfer(Resident):
         self.engine = None
         if name == "native":
             self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
-            self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s())
+            self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s(),
+                                        job.rollout.max_num_seqs)
         elif ctx.replica_leader:
             self.engine = generation_engine(name)(ctx.model_files.path, DTYPES[job.model.dtype],
                                                   tokenizer.eos_token_id, job.seed,
                                                   tensor_parallel_size=len(ctx.replica_devices),
                                                   gpu_memory_utilization=job.rollout.gpu_memory_utilization,
                                                   devices=ctx.replica_devices,
-                                                  filtered_sampling=job.rollout.top_p < 1 or job.rollout.top_k > 0)
+                                                  filtered_sampling=job.rollout.top_p < 1 or job.rollout.top_k > 0,
+                                                  max_num_seqs=job.rollout.max_num_seqs)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
         self.receiver = WeightReceiver(getattr(self.engine, "landing_buffer", None))
