@@ -119,3 +119,16 @@ def test_the_objective_adds_a_kl_loss_only_when_the_preset_has_one():
         logp = columns["old_logprobs"].clone().requires_grad_()
         _, metrics = policy_objective(logp, None, columns, mask, job, float(mask.sum()), len(mask))
         assert ("kl_loss" in metrics) == (name == "grpo"), name
+
+
+def test_actor_reference_and_critic_all_on_deepspeed_share_their_ranks(tmp_path):
+    """Three DeepSpeed roles colocated whole: one DeepSpeed world on the ranks, and the frozen
+    reference kept whole (ZeRO-1/2 have no optimizer state of it to shard)."""
+    pytest.importorskip("deepspeed")
+    metrics = train(tmp_path, 2, "--set", "algorithm.name=ppo", "--set", "roles.critic.engine=deepspeed",
+                    "--set", "roles.critic.zero_stage=3", "--set", "roles.critic.colocate_with=actor_train",
+                    "--set", "roles.actor_train.engine=deepspeed", "--set", "roles.actor_train.zero_stage=3",
+                    "--set", "roles.reference.engine=deepspeed")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["value_loss"] > 0 for m in metrics)
+    assert metrics[-1]["sequence_kl"] > 0, "the reference stays the initial policy while the actor moves"

@@ -111,6 +111,9 @@ class DeepSpeedTrainer(TorchTrainer):
         self.device = device
         self.compute_dtype = DTYPES[job.model.dtype]
         self._autocast = False   # DeepSpeed casts the module to the job's dtype and keeps fp32 master weights
+        # A frozen role (the reference) has no optimizer state or gradients for stages 1 and 2 to
+        # shard: it keeps its replica (stage 0) unless ZeRO-3 partitions its parameters.
+        zero_stage = zero_stage if trainable or zero_stage == 3 else 0
         self.stage = zero_stage
         self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
         self.trainable = trainable

@@ -86,7 +86,10 @@ class RoleScopedBackend:
 
 
 def scope_deepspeed_world(group: dist.ProcessGroup) -> None:
-    """Initialise deepspeed.comm on the existing world and make `group` its world (idempotent per group)."""
+    """Initialise deepspeed.comm on the existing world and make `group` its world. Roles colocated
+    whole (actor, reference, critic on the same ranks) each have a group of their own over the same
+    ranks: the first one's serves as the world of all (DeepSpeed's world collectives are the same
+    over either; each engine still reduces over its own group)."""
     import deepspeed
     import deepspeed.comm.comm as ds_comm
 
@@ -94,7 +97,8 @@ def scope_deepspeed_world(group: dist.ProcessGroup) -> None:
                                dist_init_required=False)
     current = ds_comm.cdb
     if isinstance(current, RoleScopedBackend):
-        if current.group is not group:
-            raise RuntimeError("two DeepSpeed roles on one rank need the same rank group (colocate them whole)")
+        if dist.get_process_group_ranks(current.group) != dist.get_process_group_ranks(group):
+            raise RuntimeError("two DeepSpeed roles on one rank need the same ranks (colocate them whole, with the "
+                               "same dp)")
         return
     ds_comm.cdb = RoleScopedBackend(current, group)
