@@ -56,7 +56,9 @@ def test_a_round_stops_each_row_at_its_budget_and_cuts_unfinished_rows_at_the_de
     assert out.response_ids.lengths.tolist() == [2, 0, 5] and out.finished.tolist() == [True, True, True]
     slow = NativeSampler(model, -1, tokenizer.pad_token_id, step_delay_s=0.05)
     import time
-    cut = slow.generate(prompts, SamplingParams(50), torch.Generator().manual_seed(0), deadline=time.monotonic() + 0.2)
+    deadline = time.monotonic() + 0.2
+    cut = slow.generate(prompts, SamplingParams(50), torch.Generator().manual_seed(0),
+                        stop=lambda: time.monotonic() > deadline)
     assert not cut.finished.any() and 1 <= cut.response_ids.lengths.min() < 50
     assert len(set(cut.response_ids.lengths.tolist())) == 1, "every row of the round got the same steps"
 

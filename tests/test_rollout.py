@@ -86,6 +86,8 @@ def test_a_cut_round_continues_its_unfinished_responses_first_and_keeps_the_olde
     assert done[0].response_ids[1].tolist() == [6, 2] and done[0].behaviour_logprobs[1].tolist() == \
         pytest.approx([-2.0, -0.7])
     assert all(g.version == 0 for g in done), "a response begun with version 0 counts as version 0"
+    assert done[0].token_versions[1].tolist() == [0, 1], "each token keeps the version that sampled it"
+    assert done[0].token_versions[0].tolist() == [0, 0]
 
 
 def test_production_balances_consumption_and_never_redoes_a_taken_batch():
@@ -164,8 +166,8 @@ def test_the_buffer_round_trips_through_a_checkpoint():
 
     def state(g: Group):
         return (g.group_id, g.state, g.version, g.answer, g.prompt_ids.tolist(), [r.tolist() for r in g.response_ids],
-                [lp.tolist() for lp in g.behaviour_logprobs], g.finished.tolist(),
-                None if g.rewards is None else g.rewards.tolist())
+                [lp.tolist() for lp in g.behaviour_logprobs], [v.tolist() for v in g.token_versions],
+                g.finished.tolist(), None if g.rewards is None else g.rewards.tolist())
 
     assert [state(g) for g in restored.groups.values()] == [state(g) for g in s.groups.values()]
     assert restored.rounds == s.rounds and restored.next_group_id == s.next_group_id
@@ -249,11 +251,29 @@ def test_stale_samples_are_corrected_as_rollout_is_correction_says():
     from hpcrl.runtime.off_policy import off_policy_columns
     old = Ragged.from_rows([[-0.1, -2.0], [-1.0]], np.float32)
     behaviour = Ragged.from_rows([[-0.2, -0.5], [-4.0]], np.float32)
+    stale = np.ones(3, dtype=bool)
     # ppo: the loss's ratio is taken against the policy that sampled; no separate weight.
-    assert off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour) == {"old_logprobs": behaviour}
+    ppo = off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour, stale)
+    assert list(ppo) == ["old_logprobs"] and ppo["old_logprobs"].equals(behaviour)
     # tis: the ratio stays against the recomputed policy; each token gets min(pi_old / pi_behaviour, cap).
-    weights = off_policy_columns(job("rollout.is_correction=tis", "rollout.is_cap=5").rollout, old, behaviour)
+    weights = off_policy_columns(job("rollout.is_correction=tis", "rollout.is_cap=5").rollout, old, behaviour, stale)
     assert list(weights) == ["importance_weights"]
     assert weights["importance_weights"].lengths.tolist() == [2, 1]
     assert weights["importance_weights"][0].tolist() == pytest.approx([math.exp(0.1), math.exp(-1.5)], rel=1e-6)
     assert weights["importance_weights"][1].tolist() == pytest.approx([5.0])
+    assert off_policy_columns(job().rollout, old, behaviour, np.zeros(3, dtype=bool)) == {}, "all fresh: on-policy"
+
+
+def test_a_partial_rollout_response_is_corrected_token_by_token_by_the_versions_that_sampled_it():
+    """A response begun by version 0 and continued by version 1, trained by version 1: its first
+    tokens are corrected by version 0's log-probs, the rest are on-policy (weight 1, ratio against
+    the trainer's own log-probs)."""
+    from hpcrl.runtime.off_policy import off_policy_columns
+    old = Ragged.from_rows([[-0.1, -2.0, -0.3, -0.4]], np.float32)
+    behaviour = Ragged.from_rows([[-0.2, -0.5, -0.9, -0.1]], np.float32)    # the last two: noise of another engine
+    versions = np.array([0, 0, 1, 1])
+    stale = versions < 1
+    weights = off_policy_columns(job("rollout.is_correction=tis").rollout, old, behaviour, stale)
+    assert weights["importance_weights"][0].tolist() == pytest.approx([math.exp(0.1), math.exp(-1.5), 1.0, 1.0])
+    ppo = off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour, stale)
+    assert ppo["old_logprobs"][0].tolist() == pytest.approx([-0.2, -0.5, -0.3, -0.4])

@@ -126,6 +126,7 @@ def test_a_round_longer_than_the_sync_timeout_does_not_stall_the_sync_or_the_tra
     rollout generates, so a step takes a round, not a round plus a train step."""
     result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=5",
                    "--set", "rollout.max_staleness=1", "--set", "rollout.sync_timeout_s=1",
+                   "--set", "rollout.partial_rollout=false",   # rounds run to their end: see the next test
                    "--set", "train.ppo_epochs=40", *FAST, env={"HPCRL_INJECT_DECODE_DELAY_S": "0.6"}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
@@ -142,6 +143,24 @@ def test_a_round_longer_than_the_sync_timeout_does_not_stall_the_sync_or_the_tra
         # longer than a train step (a step in which no round ended counts no rollout time: compare
         # with the average round).
         assert m["train_idle_frac"] * m["time_step_s"] < 0.6 * round_s, m
+
+
+def test_new_weights_interrupt_a_round_and_its_responses_continue_with_them(tmp_path):
+    """Partial rollout (K=1): rounds are slow (0.4 s a token) and a train step is short, so the
+    trainer stages new weights while a round runs; the round ends at once, the weights are pushed,
+    and the unfinished responses continue with them. Each token keeps the version that sampled it:
+    the tokens of the trainer's own version have its log-probs (gap 0), the older ones are corrected."""
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=6",
+                   "--set", "rollout.max_staleness=1", "--set", "rollout.max_new_tokens=4",
+                   "--set", "algorithm.entropy_coef=0", *FAST,
+                   env={"HPCRL_INJECT_DECODE_DELAY_S": "0.4"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert sum(m["partial_samples"] for m in metrics) > 0, "some responses were sampled by two versions"
+    assert any(0 < m["stale_token_frac"] < 1 for m in metrics)
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    assert all(m["rollout_logprob_gap_max"] < 1e-4 for m in metrics), "a token marked fresh was not"
 
 
 def test_rounds_cut_by_max_round_s_continue_their_responses_in_the_next_round(tmp_path):

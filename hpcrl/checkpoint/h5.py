@@ -31,7 +31,8 @@ import numpy as np
 
 from hpcrl.ragged import Ragged
 
-FORMAT_VERSION = 2   # 2: the sampler's state per domain, and each buffered sample's domain and reward code
+# 2: the sampler's state per domain, each buffered sample's domain and reward code; 3: each token's policy version
+FORMAT_VERSION = 3
 STATE_FILE = "state.h5"
 _STR = h5py.string_dtype("utf-8")
 

@@ -7,7 +7,7 @@ feed any rollout layout.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -54,9 +54,9 @@ class TrainingEngine(Protocol):
 
 class GenerationEngine(Protocol):
     def generate(self, prompts: "Ragged", params: "SamplingParams", generator: torch.Generator,
-                 budgets: "np.ndarray | None" = None, deadline: float | None = None) -> "Generation":
+                 budgets: "np.ndarray | None" = None, stop: "Callable[[], bool] | None" = None) -> "Generation":
         """Sample one response per prompt, at most `budgets[i]` tokens (default: the params'),
-        stopping unfinished rows when `time.monotonic()` passes `deadline`."""
+        stopping unfinished rows as soon as `stop()` is true (checked between decoding steps)."""
 
     def load_weights(self, weights: NamedTensors) -> None:
         """Replace the rollout weights with these HF-named tensors (one bucket of a sync)."""

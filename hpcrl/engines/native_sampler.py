@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +45,8 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 @dataclass
 class Generation:
     """One round's output, a row per prompt: the sampled ids, their log-probabilities, and whether
-    the row is finished (stopped at `<eos>` or at its token budget) or was cut by the round's
-    deadline and continues in a later round (partial rollout)."""
+    the row is finished (stopped at `<eos>` or at its token budget) or was cut short (the round's
+    time limit, or new weights) and continues in a later round (partial rollout)."""
 
     response_ids: Ragged     # int32
     logprobs: Ragged         # float32
@@ -120,10 +121,10 @@ class NativeSampler:
 
     @torch.no_grad()
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
-                 budgets: np.ndarray | None = None, deadline: float | None = None,
+                 budgets: np.ndarray | None = None, stop: Callable[[], bool] | None = None,
                  seeds: np.ndarray | None = None) -> Generation:
         """Sample a response per prompt; each stops at `<eos>` (kept), after `budgets[i]` tokens
-        (default `params.max_new_tokens`), or unfinished when `time.monotonic()` passes `deadline`.
+        (default `params.max_new_tokens`), or unfinished as soon as `stop()` is true.
 
         Continuous batching: at most `max_seqs` sequences decode together; a finished one leaves
         the batch at once and a waiting prompt takes its place (after its own prefill), so a long
@@ -139,7 +140,7 @@ class NativeSampler:
             seeds = torch.randint(0, 2 ** 62, (count,), generator=generator).numpy()
         run = _Decoding(self, prompts, params, budgets, seeds)
         while run.waiting or run.active:
-            if deadline is not None and time.monotonic() > deadline:
+            if stop is not None and stop():
                 break
             run.admit()
             run.step()

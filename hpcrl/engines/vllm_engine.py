@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -166,17 +165,17 @@ class VLLMEngine:
                                          max_num_seqs))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
-                 budgets: np.ndarray | None = None, deadline: float | None = None) -> Generation:
+                 budgets: np.ndarray | None = None, stop: Callable[[], bool] | None = None) -> Generation:
         budgets = np.full(len(prompts), params.max_new_tokens) if budgets is None else budgets
         seeds = request_seeds(generator, len(prompts))
         rows = [i for i in range(len(prompts)) if budgets[i] > 0]
         sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seeds[i], self.eos_id, int(budgets[i])))
                     for i in rows]
         inputs = [{"prompt_token_ids": prompts[i].tolist()} for i in rows]
-        if deadline is None:
+        if stop is None:
             outputs = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False)
         else:
-            outputs = self._generate_until(inputs, sampling, deadline)
+            outputs = self._generate_until(inputs, sampling, stop)
         ids, logprobs = [[] for _ in range(len(prompts))], [[] for _ in range(len(prompts))]
         finished = np.ones(len(prompts), dtype=bool)
         for row, out in zip(rows, outputs):
@@ -185,8 +184,8 @@ class VLLMEngine:
             finished[row] = out is not None and out.finished
         return Generation(Ragged.from_rows(ids, np.int32), Ragged.from_rows(logprobs, np.float32), finished)
 
-    def _generate_until(self, inputs: list[dict], sampling: list, deadline: float) -> list:
-        """Step vLLM's engine until every request ends or `deadline` passes; the requests still running
+    def _generate_until(self, inputs: list[dict], sampling: list, stop: Callable[[], bool]) -> list:
+        """Step vLLM's engine until every request ends or `stop()` is true; the requests still running
         are aborted and come back with the tokens they have (partial rollout). None: no token yet."""
         engine = self.llm.llm_engine
         ids = [f"hpcrl-{next(self._request_ids)}" for _ in inputs]
@@ -196,7 +195,7 @@ class VLLMEngine:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 latest[out.request_id] = out
-            if time.monotonic() > deadline:
+            if stop():
                 engine.abort_request([r for r in ids if r not in latest or not latest[r].finished])
                 break
         return [latest.get(r) for r in ids]

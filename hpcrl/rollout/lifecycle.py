@@ -2,10 +2,11 @@
 
 Samples move in prompt groups (GRPO compares the responses of one prompt), and every group
 records the policy version that generated it, which is what the staleness bound is checked on.
-A generation round may be cut before a response ends (`rollout.max_round_s`): the response keeps
-its tokens and continues in a later round (partial rollout), possibly with newer weights, and the
-group keeps the oldest version that produced any of its tokens. A group is scored once all its
-responses have ended.
+A generation round may be cut before a response ends (`rollout.max_round_s`, or new weights with
+`rollout.partial_rollout`): the response keeps its tokens and continues in a later round, possibly
+with newer weights. Every token records the version that sampled it (its behaviour log-prob is that
+version's), and the group keeps the oldest, which the staleness bound is checked on. A group is
+scored once all its responses have ended.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Group:
     version: int = -1                           # oldest policy version that generated any of its tokens
     response_ids: list[np.ndarray] = field(default_factory=list)        # per sample, int32
     behaviour_logprobs: list[np.ndarray] = field(default_factory=list)  # per sample, float32
+    token_versions: list[np.ndarray] = field(default_factory=list)      # per sample, int32: who sampled each token
     finished: np.ndarray | None = None                                  # per sample: the response has ended
     rewards: np.ndarray | None = None                                   # per sample, float64, once scored
     codes: list[str] | None = None                                      # per sample: the reward's outcome code
@@ -69,12 +71,15 @@ class Group:
         self.version = version
         self.response_ids = [np.zeros(0, np.int32) for _ in range(self.size)]
         self.behaviour_logprobs = [np.zeros(0, np.float32) for _ in range(self.size)]
+        self.token_versions = [np.zeros(0, np.int32) for _ in range(self.size)]
         self.finished = np.zeros(self.size, dtype=bool)
 
-    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool) -> None:
-        """Append one round's tokens to a response."""
+    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, version: int) -> None:
+        """Append one round's tokens, sampled by weights of `version`, to a response."""
         self.response_ids[sample] = np.concatenate([self.response_ids[sample], ids])
         self.behaviour_logprobs[sample] = np.concatenate([self.behaviour_logprobs[sample], logprobs])
+        self.token_versions[sample] = np.concatenate([self.token_versions[sample],
+                                                      np.full(len(ids), version, np.int32)])
         self.finished[sample] = finished
 
     @property

@@ -11,8 +11,11 @@ overlapping, samples are then one version old, and K bounds what a slow sync or 
 Dynamic sampling drops groups whose rewards are all equal and refills the batch from the queue;
 after `rollout.max_refills` refills the batch is trained short, on the groups it has (as DAPO
 does), cut to a size the trainer's DP replicas and minibatches split evenly.
-A round cut by `rollout.max_round_s` leaves some responses unfinished; the next round continues
-them first (partial rollout), then starts what the batch still misses.
+A round cut short leaves some responses unfinished; the next round continues them first (partial
+rollout), then starts what the batch still misses. Rounds are cut by `rollout.max_round_s`, and, with
+`rollout.partial_rollout` and K>0, when the trainer has staged newer weights (the controller
+interrupts the round): the continuation samples with the new weights, and each token keeps the
+version that sampled it.
 """
 from __future__ import annotations
 
@@ -147,7 +150,7 @@ class RolloutScheduler:
         self.in_flight = None
         touched: dict[int, Group] = {}
         for row, (group, sample) in enumerate(round_.samples):
-            group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]))
+            group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]), round_.version)
             touched[group.group_id] = group
         return [g for _, g in sorted(touched.items()) if g.done and g.state is SampleState.GENERATING]
 
@@ -222,6 +225,11 @@ class RolloutScheduler:
         self.counts["consumed"] += sum(staleness.values())
         metrics = {f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())}
         metrics["staleness_max"] = float(max(staleness))
+        versions = [v for g in groups for v in g.token_versions]
+        tokens = sum(len(v) for v in versions)
+        # partial rollout: responses whose tokens came from more than one policy version
+        metrics["partial_samples"] = float(sum(1 for v in versions if len(v) and v[0] != v[-1]))
+        metrics["stale_token_frac"] = sum(int((v < trained_version).sum()) for v in versions) / max(tokens, 1)
         metrics["rollout_rounds"] = float(self.rounds[batch])   # more than one: refills, or cut rounds
         metrics["batch_groups"] = float(len(groups))             # below train.prompts_per_step: a short batch
         metrics["queue_depth"] = float(sum(g.size for g in self.groups.values() if g.state is SampleState.REWARDED))
@@ -243,6 +251,7 @@ class RolloutScheduler:
             "domain": [g.domain for g, _ in rows],
             "response_ids": Ragged.from_arrays([g.response_ids[i] for g, i in rows], np.int32),
             "behaviour_logprobs": Ragged.from_arrays([g.behaviour_logprobs[i] for g, i in rows], np.float32),
+            "token_versions": Ragged.from_arrays([g.token_versions[i] for g, i in rows], np.int32),
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
@@ -262,12 +271,13 @@ class RolloutScheduler:
                 group = Group(gid, int(buffer["batch"][row]), np.array(buffer["prompt_ids"][row]),
                               buffer["answer"][row], self.group_size, buffer["domain"][row])
                 group.start(int(buffer["version"][row]))
-                group.response_ids, group.behaviour_logprobs = [], []
+                group.response_ids, group.behaviour_logprobs, group.token_versions = [], [], []
                 self.groups[gid] = group
             group = self.groups[gid]
             sample = len(group.response_ids)
             group.response_ids.append(np.array(buffer["response_ids"][row]))
             group.behaviour_logprobs.append(np.array(buffer["behaviour_logprobs"][row]))
+            group.token_versions.append(np.array(buffer["token_versions"][row]))
             group.finished[sample] = bool(buffer["finished"][row])
             if bool(buffer["scored"][row]):
                 if group.rewards is None:

@@ -43,6 +43,7 @@ from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN, TAG_SYNC
 from hpcrl.runtime.off_policy import off_policy_columns
 from hpcrl.runtime.evaluation import Evaluator
+from hpcrl.runtime.interrupts import interrupt
 from hpcrl.runtime.residency import Residency
 from hpcrl.runtime.scoring import Scorer, domain_metrics
 
@@ -83,6 +84,7 @@ class _InFlight:
     round: Round | None = None
     metrics: dict[str, Any] | None = None
     groups: list[Group] | None = None   # scoring: the groups whose responses are scored
+    interrupted: bool = False           # generation: asked to end early (partial rollout)
 
 
 class Controller:
@@ -127,6 +129,7 @@ class Controller:
         self.rollout_busy, self.train_busy = Busy(), Busy()
         self.times: dict[str, float] = {}
         self.kl_in_reward_coef = job.algorithm.kl_in_reward.coef   # adapted per step when a target is set
+        self._interrupts = job.rollout.partial_rollout and job.rollout.max_staleness > 0
 
     def _prompts(self) -> tuple[dict[str, list], dict[str, list]]:
         """(training, evaluation) prompts by domain that fit the model's context with a whole
@@ -157,9 +160,18 @@ class Controller:
         self.residency.enter("rollout")
         pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
                                                   found.prompts(self.job.rollout.max_new_tokens), found.batch,
-                                                  found.index)
+                                                  found.index, False, self._interrupts)
         self.round = _InFlight(pending, time.perf_counter(), round=found)
         self.rollout_busy.start()
+
+    def _interrupt_round(self) -> None:
+        """Partial rollout: newer weights are staged while a round runs; end it now, so that they are
+        pushed at once and its unfinished responses continue with them (hpcrl.runtime.interrupts)."""
+        flight = self.round
+        if (self._interrupts and flight is not None and not flight.interrupted
+                and self.staged_version > flight.round.version):
+            interrupt(self.groups["actor_infer"].result_ranks, (flight.round.batch, flight.round.index))
+            flight.interrupted = True
 
     def _finish_round(self) -> None:
         flight, self.round = self.round, None
@@ -197,6 +209,7 @@ class Controller:
         sequences = {"prompt_ids": Ragged.from_arrays([g.prompt_ids for g in groups for _ in range(g.size)], np.int32),
                      "response_ids": Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)}
         behaviour = Ragged.from_arrays([lp for g in groups for lp in g.behaviour_logprobs], np.float32)
+        versions = np.concatenate([v for g in groups for v in g.token_versions])
         rewards = np.concatenate([g.rewards for g in groups])
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
         started = time.perf_counter()
@@ -215,10 +228,13 @@ class Controller:
         found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef)
         train_batch = {**sequences, **columns, **found.columns}
         metrics = {}
-        if stats["staleness_max"] > 0 or self.job.corrects_mismatch():
-            train_batch.update(off_policy_columns(self.job.rollout, old, behaviour))
-            if "importance_weights" in train_batch:
-                metrics["is_weight_mean"] = float(train_batch["importance_weights"].values.mean())
+        # Tokens sampled by older weights are corrected (each by its own version's log-prob, when a
+        # partial rollout's response spans versions); fresh ones too under mismatch correction.
+        corrected = np.ones_like(versions, bool) if self.job.corrects_mismatch() else versions < step - 1
+        fresh = versions == step - 1
+        train_batch.update(off_policy_columns(self.job.rollout, old, behaviour, corrected))
+        if "importance_weights" in train_batch:
+            metrics["is_weight_mean"] = float(train_batch["importance_weights"].values.mean())
         lr = learning_rate(self.job.train, step)
         self.residency.enter("train")
         calls = []
@@ -238,8 +254,8 @@ class Controller:
             "kl_in_reward_coef": self.kl_in_reward_coef,
             "sequence_kl": found.sequence_kl,
             "response_len": float(lengths.mean()),
-            # With fresh samples rollout and trainer hold the same weights: their log-probs must agree.
-            "rollout_logprob_gap_max": float(np.abs(old.values - behaviour.values).max()) if len(old.values) else 0.0,
+            # Fresh tokens were sampled by the weights the trainer holds: their log-probs must agree.
+            "rollout_logprob_gap_max": float(np.abs(old.values - behaviour.values)[fresh].max(initial=0.0)),
             "samples": float(len(rewards)),
             "lr": lr,
             **stats,
@@ -344,6 +360,7 @@ class Controller:
             self._train(self.step + 1)   # FIFO behind the staging of the weights it will change
         if self.training is None and self.staging is None and self.pushing is None and self.staged_version < self.step:
             self._stage(digest=False)
+        self._interrupt_round()
         if self._push_ready():
             self._push(digest=False)
         if self.round is None and self.staging is None:   # after a take, so rollout can start on the next batch

@@ -12,6 +12,7 @@ TAG_SYNC = 14    # controller -> a weight server's thread: send the staged weigh
 TAG_HEARTBEAT = 15  # worker -> controller, every watchdog.heartbeat_s: alive, and in which call
 TAG_DUMP = 16    # controller -> worker: print every thread's Python stack (a hang is being reported)
 TAG_ADDRESS = 17  # trainer stage leader -> vLLM replica leader: where its workers meet it for NCCL
+TAG_INTERRUPT = 18  # controller -> rollout replica: end generation round (batch, index) now (partial rollout)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """How stale samples are corrected (`rollout.is_correction`): the per-token columns that change."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hpcrl.algos import masked_importance_weights, sequence_importance_weights, truncated_importance_weights
@@ -12,8 +13,12 @@ IMPORTANCE_WEIGHTS = {"tis": truncated_importance_weights, "mis": masked_importa
                       "seq-tis": sequence_importance_weights}
 
 
-def off_policy_columns(rollout: RolloutConfig, old_logprobs: Ragged, behaviour_logprobs: Ragged) -> dict[str, Ragged]:
-    """The train batch's columns that replace or join the on-policy ones for a batch with stale samples.
+def off_policy_columns(rollout: RolloutConfig, old_logprobs: Ragged, behaviour_logprobs: Ragged,
+                       corrected: np.ndarray) -> dict[str, Ragged]:
+    """The train batch's columns that replace or join the on-policy ones, for the tokens marked
+    `corrected` (those sampled by older weights, each by the version that sampled it, and under
+    mismatch correction every token); the others count as sampled by the trainer's own policy
+    (their behaviour log-prob is its recomputed one). None marked: nothing changes.
 
     `ppo`: the loss's ratio and clip are taken against the behaviour policy, so the ratio is the
     importance weight and the trust region bounds the whole move from the policy that sampled: a token
@@ -21,6 +26,10 @@ def off_policy_columns(rollout: RolloutConfig, old_logprobs: Ragged, behaviour_l
     `tis`, `mis`, `seq-tis` keep the ratio against the trainer's recomputed policy (decoupled PPO, as
     AReaL) and add an importance weight per token.
     """
+    if not corrected.any():
+        return {}
+    behaviour_logprobs = behaviour_logprobs.with_values(
+        np.where(corrected, behaviour_logprobs.values, old_logprobs.values))
     if rollout.is_correction == "ppo":
         return {"old_logprobs": behaviour_logprobs}
     lengths = old_logprobs.lengths

@@ -22,6 +22,7 @@ from hpcrl.engines.torch_trainer import Samples
 from hpcrl.ragged import Batch
 from hpcrl.rewards import reward_specs, score_batch
 from hpcrl.runtime.faults import behaviour_shift, decode_delay_s
+from hpcrl.runtime.interrupts import round_stop
 from hpcrl.runtime.messages import TAG_ADDRESS
 from hpcrl.runtime.mpi_world import free_port, poll_recv, send
 from hpcrl.runtime.weight_sync import Source, StagedWeights, WeightReceiver, WeightServer, receive_object
@@ -234,17 +235,18 @@ class ActorInfer(Resident):
         if self.engine is not None:
             self.engine.wake()
 
-    def generate(self, batch: Batch, step: int, attempt: int = 0, greedy: bool = False) -> Batch | None:
+    def generate(self, batch: Batch, step: int, attempt: int = 0, greedy: bool = False,
+                 interruptible: bool = False) -> Batch | None:
         """One round: a response (or its continuation) per row, each within its `budgets` entry of
-        new tokens; rows still running after `rollout.max_round_s` come back unfinished. `greedy`:
-        the most likely tokens (evaluation)."""
+        new tokens; rows still running after `rollout.max_round_s`, or when the controller
+        interrupts round (step, attempt) (`interruptible`), come back unfinished. `greedy`: the
+        most likely tokens (evaluation)."""
         if self.engine is None:  # a vLLM TP follower: the replica's first rank answers for it
             return None
-        limit = self.job.rollout.max_round_s
         generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
         params = dataclasses.replace(self.params, greedy=greedy)
-        out: Generation = self.engine.generate(batch["prompt_ids"], params, generator, batch["budgets"],
-                                               None if limit is None else time.monotonic() + limit)
+        stop = round_stop(self.job.rollout.max_round_s, (step, attempt) if interruptible else None)
+        out: Generation = self.engine.generate(batch["prompt_ids"], params, generator, batch["budgets"], stop)
         shift = behaviour_shift()   # 0 but in the mismatch tests
         logprobs = out.logprobs.with_values(out.logprobs.values + shift) if shift else out.logprobs
         return {"response_ids": out.response_ids, "behaviour_logprobs": logprobs, "finished": out.finished}
