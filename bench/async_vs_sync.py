@@ -1,12 +1,18 @@
-"""Synchronous (K=0) against asynchronous (K=2) rollout on the tiny job, side by side.
+"""Synchronous (K=0) against asynchronous (K>0) rollout on the tiny job, side by side.
 
-Runs `hpcrl run jobs/tiny_grpo.yaml` in one process tree, with `rollout.max_staleness` 0 and 2,
+Runs `hpcrl run jobs/tiny_grpo.yaml` in one process tree, with `rollout.max_staleness` 0 and K (2),
 once per seed (one run at a time, so that samples/s are measured on an idle machine), and prints
-samples/s, the idle fractions of the rollout and training ranks, and the final reward: the mean
-reward of the last 10% of the steps, averaged over the seeds. One RL run is one random trajectory:
-a single seed, or a 10-step window, says little about a difference of a few hundredths.
+samples/s, generated tokens per second of rollout, the idle fractions of the rollout and training
+ranks, and the final reward: the mean reward of the last 10% of the steps, averaged over the seeds.
+One RL run is one random trajectory: a single seed, or a 10-step window, says little about a
+difference of a few hundredths.
 
-    .venv/bin/python bench/async_vs_sync.py [--steps 700] [--seeds 1 2 3 4] [--set KEY=VALUE ...]
+`--long-tail`: jobs/tiny_longtail.yaml (answers of 1 to 64 tokens, long-tailed), K=1, 200 steps:
+with partial rollout a round hands its batch to training as soon as the batch's last response ends,
+its free slots start the next batch, and new weights interrupt it (rollout.partial_rollout).
+
+    .venv/bin/python bench/async_vs_sync.py [--steps 700] [--seeds 1 2 3 4] [--staleness 2] [--set KEY=VALUE ...]
+    .venv/bin/python bench/async_vs_sync.py --long-tail [--seeds 1 2]
 
 Eight runs of 2 to 2.5 minutes each on a 2-core machine: about 17 minutes.
 """
@@ -27,21 +33,27 @@ def run(job: str, staleness: int, steps: int, seed: int, overrides: list[str], r
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", default="jobs/tiny_grpo.yaml")
-    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--job", default=None, help="default: jobs/tiny_grpo.yaml (--long-tail: jobs/tiny_longtail.yaml)")
+    parser.add_argument("--long-tail", action="store_true", help="the long-tailed response lengths variant")
+    parser.add_argument("--steps", type=int, default=None, help="default: 700 (--long-tail: 200)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--staleness", type=int, default=None, help="K of the asynchronous runs (default 2; "
+                        "--long-tail: 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
-    per_seed: dict[int, list[dict[str, float]]] = {0: [], 2: []}
+    args.job = args.job or ("jobs/tiny_longtail.yaml" if args.long_tail else "jobs/tiny_grpo.yaml")
+    args.steps = args.steps or (200 if args.long_tail else 700)
+    k_async = args.staleness if args.staleness is not None else (1 if args.long_tail else 2)
+    per_seed: dict[int, list[dict[str, float]]] = {0: [], k_async: []}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for k in per_seed:
                 per_seed[k].append(run(args.job, k, args.steps, seed, args.overrides, Path(tmp) / f"k{k}-s{seed}"))
     results = {k: {key: fmean(r[key] for r in runs) for key in runs[0]} for k, runs in per_seed.items()}
     print(f"{args.job}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))} (means over the seeds)")
-    print(f"{'':<15}{'K=0 (sync)':>12}{'K=2 (async)':>13}{'ratio':>8}")
+    print(f"{'':<15}{'K=0 (sync)':>12}{f'K={k_async} (async)':>13}{'ratio':>8}")
     for key in results[0]:
-        sync, asyn = results[0][key], results[2][key]
+        sync, asyn = results[0][key], results[k_async][key]
         ratio = f"{asyn / sync:.2f}" if sync else "-"
         print(f"{key:<15}{sync:>12.3f}{asyn:>13.3f}{ratio:>8}")
     for k, runs in per_seed.items():

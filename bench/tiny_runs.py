@@ -25,6 +25,9 @@ def run_job(job: str, steps: int, seed: int, overrides: list[str], run_dir: Path
     steady = rows[min(5, len(rows) - 1):]
     return {
         "samples/s": sum(r["samples"] for r in steady) / sum(r["time_step_s"] for r in steady),
+        # tokens of the trained responses per second of rollout busy time (generation rounds in flight)
+        "gen tokens/s": sum(r["samples"] * r["response_len"] for r in steady)
+                         / sum(r["time_rollout_s"] for r in steady),
         "rollout idle": fmean(r["rollout_idle_frac"] for r in steady),
         "train idle": fmean(r["train_idle_frac"] for r in steady),
         "final reward": fmean(r["reward_mean"] for r in rows[-max(10, len(rows) // 10):]),

@@ -197,7 +197,7 @@ def run(args: argparse.Namespace, rollout_kind: str) -> None:
         f"when this exceeds the tolerance {args.tolerance})")
     deadline = time.monotonic() + 0.05
     cut = rollout.generate(prompt_ids, SamplingParams(job.model.max_position_embeddings - 8, job.rollout.temperature),
-                           torch.Generator().manual_seed(0), stop=lambda: time.monotonic() > deadline)
+                           torch.Generator().manual_seed(0), stop=lambda finished: time.monotonic() > deadline)
     say(f"a round cut after 50 ms: {int((~cut.finished).sum())} of {len(cut.finished)} responses unfinished, "
         f"{len(cut.response_ids.values)} tokens kept (partial rollout)")
 

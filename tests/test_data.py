@@ -26,6 +26,27 @@ def test_addition_prompts_are_all_pairs():
     assert len(prompts) == 100 and prompts[34].text == "3+4=" and prompts[34].answer == "7"
 
 
+def test_repeat_prompts_have_long_tailed_answer_lengths():
+    """The long-tail task: "d*n=" -> d written n times, the answer of n digits listed about 64/n times."""
+    from hpcrl.data.tasks import repeat_prompts
+
+    prompts = repeat_prompts(64)
+    lengths = np.array([len(p.answer) for p in prompts])
+    assert {(p.text, p.answer) for p in prompts} >= {("7*3=", "777"), ("0*64=", "0" * 64)}
+    assert lengths.max() == 64 and np.median(lengths) <= 8 and np.percentile(lengths, 90) >= 32
+    assert sum(p.text == "5*1=" for p in prompts) == 64 and sum(p.text == "5*64=" for p in prompts) == 1
+
+
+def test_a_task_field_of_another_task_is_an_error(tmp_path):
+    from hpcrl.config import ConfigError, load_job
+
+    with pytest.raises(ConfigError, match="task.max_count applies to the repeat task, not to addition"):
+        load_job(REPO / "jobs" / "tiny_grpo.yaml", ["task.max_count=8"])
+    job = load_job(REPO / "jobs" / "tiny_longtail.yaml")
+    assert (job.task.name, job.task.max_count, job.task.digits) == ("repeat", 64, None)
+    assert load_job(REPO / "jobs" / "tiny_grpo.yaml").task.digits == 1
+
+
 def test_reward_exact_partial_and_empty():
     assert answer_reward("46", "46", stopped=True) == 1.0
     assert answer_reward("46", "46", stopped=False) == pytest.approx(0.5 * 2 / 3)  # no stop

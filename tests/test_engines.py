@@ -58,7 +58,7 @@ def test_a_round_stops_each_row_at_its_budget_and_cuts_unfinished_rows_at_the_de
     import time
     deadline = time.monotonic() + 0.2
     cut = slow.generate(prompts, SamplingParams(50), torch.Generator().manual_seed(0),
-                        stop=lambda: time.monotonic() > deadline)
+                        stop=lambda finished: time.monotonic() > deadline)
     assert not cut.finished.any() and 1 <= cut.response_ids.lengths.min() < 50
     assert len(set(cut.response_ids.lengths.tolist())) == 1, "every row of the round got the same steps"
 

@@ -67,7 +67,7 @@ def test_production_waits_for_weights_within_the_bound():
 
 
 def test_a_cut_round_continues_its_unfinished_responses_first_and_keeps_the_oldest_version():
-    s = scheduler("rollout.max_staleness=1", "rollout.max_new_tokens=5")
+    s = scheduler("rollout.max_staleness=1", "rollout.max_new_tokens=5", "train.steps=1")   # no batch 2 to start
     first = s.next_round(rollout_version=0)
     rows = first.prompts(5)
     assert rows["budgets"].tolist() == [5] * 4
@@ -91,14 +91,17 @@ def test_a_cut_round_continues_its_unfinished_responses_first_and_keeps_the_olde
 
 
 def test_production_balances_consumption_and_never_redoes_a_taken_batch():
+    """K=2: version 0 may produce batches 1 to 3. The first round starts batch 1 and, in the slots
+    its responses leave free, batch 2 (per-sample hand-out), and ends once batch 1's rows have."""
     s = scheduler("rollout.max_staleness=2")
-    finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
-    assert s.next_round(0) is None, "batch 1 is ready and untaken: rollout waits for training"
+    first = s.next_round(0)
+    assert first.batch == 1 and [g.batch for g in groups_of(first)] == [1, 1, 2, 2]
+    assert first.prompts(3)["needed"].tolist() == [True] * 4 + [False] * 4
+    finish(s, first, [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.5, 0.0])
+    assert s.next_round(0) is None, "batches 1 and 2 are ready and untaken: rollout waits for training"
     s.take(1)                                   # training on batch 1 (policy 0 -> 1) starts
-    second = s.next_round(0)
-    assert second.batch == 2, "batch 2 is generated with version 0 while step 1 trains"
-    finish(s, second, [1.0, 0.0, 0.5, 0.0])
-    assert s.next_round(0) is None
+    third = s.next_round(0)
+    assert third.batch == 3 and "needed" not in third.prompts(3), "batch 3 alone, generated while step 1 trains"
     assert s.take(2)[1]["staleness_max"] == 1
     with pytest.raises(RuntimeError, match="out of turn"):
         s.take(2)
@@ -106,12 +109,12 @@ def test_production_balances_consumption_and_never_redoes_a_taken_batch():
 
 def test_take_checks_every_sample_against_the_bound():
     s = scheduler("rollout.max_staleness=1")
-    finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
+    first = s.next_round(0)
+    finish(s, first, [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.5, 0.0])
     taken, stats = s.take(1)
     assert [g.state for g in taken] == [SampleState.CONSUMED] * 2 and stats["staleness_max"] == 0
-    second = finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
-    assert stats["queue_depth"] == 0 and s.buffer()["batch"].tolist() == [2] * 4, "batch 2 is waiting"
-    second[0].version = -1  # pretend it was generated two versions before step 2's policy
+    assert stats["queue_depth"] == 4 and s.buffer()["batch"].tolist() == [2] * 4, "batch 2 is waiting"
+    groups_of(first)[2].version = -1  # pretend it was generated two versions before step 2's policy
     with pytest.raises(StalenessError, match="2 versions behind"):
         s.take(2)
 
@@ -153,15 +156,16 @@ def test_dynamic_sampling_gives_up_with_a_clear_error_when_nothing_can_be_traine
 
 
 def test_the_buffer_round_trips_through_a_checkpoint():
-    s = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false")
-    groups = finish(s, s.next_round(0), [1.0, 0.0, 0.5, 0.0])
+    s = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false", "train.steps=2")
+    first = s.next_round(0)   # batches 1 and 2; one response of batch 2 is cut, still running at the save
+    groups = groups_of(first)
+    done = s.finish_round(first, Ragged.from_rows([[5, 2]] * 4 + [[5, 2], [6], [7, 2], [2]], np.int32),
+                          Ragged.from_rows([[-1.0, -0.5]] * 4 + [[-1.0, -0.5], [-2.0], [-0.1, -0.2], [-0.3]],
+                                           np.float32), np.array([True] * 5 + [False, True, True]))
+    assert done == [groups[0], groups[1], groups[3]]
+    s.rewarded(done, np.array([1.0, 0.0, 0.5, 0.0, 0.5, 0.0]))
     s.take(1)
-    cut = s.next_round(0)    # batch 2: one response cut by the deadline, still running at the save
-    s.finish_round(cut, Ragged.from_rows([[5, 2], [6], [7, 2], [2]], np.int32),
-                   Ragged.from_rows([[-1.0, -0.5], [-2.0], [-0.1, -0.2], [-0.3]], np.float32),
-                   np.array([True, False, True, True]))
-    s.rewarded([groups_of(cut)[1]], np.array([0.5, 0.0]))
-    restored = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false")
+    restored = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false", "train.steps=2")
     restored.restore(1, s.buffer(), s.next_group_id, dict(s.attempts), dict(s.rounds))
 
     def state(g: Group):

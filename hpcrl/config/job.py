@@ -69,11 +69,29 @@ class ModelConfig(Schema):
 
 
 class TaskConfig(Schema):
-    """A built-in synthetic task with a verifiable answer (no download needed)."""
+    """A built-in synthetic task with a verifiable answer (no download needed): `addition` ("3+4=" ->
+    "7"), or `repeat` ("7*3=" -> "777"), whose answer lengths are long-tailed, as reasoning RL's are."""
 
-    name: Literal["addition"] = "addition"
-    digits: PositiveInt = Field(1, description="digits per operand: 1 gives 100 distinct prompts")
-    modulus: PositiveInt | None = Field(None, description="answer (a+b) mod this: 10 keeps only the units digit")
+    name: Literal["addition", "repeat"] = "addition"
+    digits: PositiveInt | None = Field(None, description="addition: digits per operand (default 1: 100 distinct "
+                                       "prompts)")
+    modulus: PositiveInt | None = Field(None, description="addition: answer (a+b) mod this: 10 keeps only the units "
+                                        "digit")
+    max_count: PositiveInt | None = Field(None, description="repeat: the longest answer (default 64); an answer of "
+                                          "n digits is drawn in proportion to 1/n")
+
+    @model_validator(mode="after")
+    def _fields_of_the_task(self) -> "TaskConfig":
+        own = {"addition": ("digits", "modulus"), "repeat": ("max_count",)}
+        for name, fields in own.items():
+            stray = [f for f in fields if name != self.name and getattr(self, f) is not None]
+            if stray:
+                raise ValueError(f"task.{stray[0]} applies to the {name} task, not to {self.name}: remove it")
+        if self.name == "addition" and self.digits is None:
+            self.digits = 1
+        if self.name == "repeat" and self.max_count is None:
+            self.max_count = 64
+        return self
 
 
 class DatasetConfig(Schema):

@@ -23,13 +23,28 @@ def addition_prompts(digits: int, modulus: int | None = None) -> list[Prompt]:
             for a in range(limit) for b in range(limit)]
 
 
+def repeat_prompts(max_count: int) -> list[Prompt]:
+    """Every `d*n=` -> d written n times, n up to `max_count`, the prompt for n listed about
+    max_count/n times: answer lengths (and so response lengths) are long-tailed, mostly short, a
+    few of `max_count` tokens, which is what makes a rollout wait for its slowest sample."""
+    return [Prompt(f"{d}*{n}=", str(d) * n, "repeat")
+            for d in range(10) for n in range(1, max_count + 1) for _ in range(max(1, round(max_count / n)))]
+
+
+def task_prompts(task) -> list[Prompt]:
+    """A built-in task's prompts (job.task)."""
+    if task.name == "repeat":
+        return repeat_prompts(task.max_count)
+    return addition_prompts(task.digits, task.modulus)
+
+
 def load_prompts(job: JobConfig, tokenizer) -> tuple[dict[str, list[Prompt]], dict[str, list[Prompt]]]:
     """(training, evaluation) prompts by domain. Without `eval.datasets` each domain's evaluation
     prompts are `eval.holdout` of its own, drawn with the job's seed and left out of training."""
     from hpcrl.data.datasets import dataset_prompts   # Hugging Face datasets: imported when files are read
 
     if job.task is not None:
-        train = {job.task.name: addition_prompts(job.task.digits, job.task.modulus)}
+        train = {job.task.name: task_prompts(job.task)}
     else:
         train = {config.tag: dataset_prompts(config, tokenizer) for config in job.datasets}
     if job.eval.datasets is not None:

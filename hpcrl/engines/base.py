@@ -54,9 +54,11 @@ class TrainingEngine(Protocol):
 
 class GenerationEngine(Protocol):
     def generate(self, prompts: "Ragged", params: "SamplingParams", generator: torch.Generator,
-                 budgets: "np.ndarray | None" = None, stop: "Callable[[], bool] | None" = None) -> "Generation":
+                 budgets: "np.ndarray | None" = None,
+                 stop: "Callable[[np.ndarray], bool] | None" = None) -> "Generation":
         """Sample one response per prompt, at most `budgets[i]` tokens (default: the params'),
-        stopping unfinished rows as soon as `stop()` is true (checked between decoding steps)."""
+        stopping unfinished rows as soon as `stop(finished)` is true (checked between decoding steps,
+        given which rows have ended)."""
 
     def load_weights(self, weights: NamedTensors) -> None:
         """Replace the rollout weights with these HF-named tensors (one bucket of a sync)."""

@@ -121,10 +121,11 @@ class NativeSampler:
 
     @torch.no_grad()
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
-                 budgets: np.ndarray | None = None, stop: Callable[[], bool] | None = None,
+                 budgets: np.ndarray | None = None, stop: Callable[[np.ndarray], bool] | None = None,
                  seeds: np.ndarray | None = None) -> Generation:
         """Sample a response per prompt; each stops at `<eos>` (kept), after `budgets[i]` tokens
-        (default `params.max_new_tokens`), or unfinished as soon as `stop()` is true.
+        (default `params.max_new_tokens`), or unfinished as soon as `stop(finished)` is true (given
+        which rows have ended).
 
         Continuous batching: at most `max_seqs` sequences decode together; a finished one leaves
         the batch at once and a waiting prompt takes its place (after its own prefill), so a long
@@ -140,7 +141,7 @@ class NativeSampler:
             seeds = torch.randint(0, 2 ** 62, (count,), generator=generator).numpy()
         run = _Decoding(self, prompts, params, budgets, seeds)
         while run.waiting or run.active:
-            if stop is not None and stop():
+            if stop is not None and stop(run.finished):
                 break
             run.admit()
             run.step()

@@ -165,7 +165,7 @@ class VLLMEngine:
                                          max_num_seqs))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
-                 budgets: np.ndarray | None = None, stop: Callable[[], bool] | None = None) -> Generation:
+                 budgets: np.ndarray | None = None, stop: Callable[[np.ndarray], bool] | None = None) -> Generation:
         budgets = np.full(len(prompts), params.max_new_tokens) if budgets is None else budgets
         seeds = request_seeds(generator, len(prompts))
         rows = [i for i in range(len(prompts)) if budgets[i] > 0]
@@ -175,7 +175,7 @@ class VLLMEngine:
         if stop is None:
             outputs = self.llm.generate(inputs, sampling_params=sampling, use_tqdm=False)
         else:
-            outputs = self._generate_until(inputs, sampling, stop)
+            outputs = self._generate_until(inputs, sampling, stop, rows, len(prompts))
         ids, logprobs = [[] for _ in range(len(prompts))], [[] for _ in range(len(prompts))]
         finished = np.ones(len(prompts), dtype=bool)
         for row, out in zip(rows, outputs):
@@ -184,8 +184,10 @@ class VLLMEngine:
             finished[row] = out is not None and out.finished
         return Generation(Ragged.from_rows(ids, np.int32), Ragged.from_rows(logprobs, np.float32), finished)
 
-    def _generate_until(self, inputs: list[dict], sampling: list, stop: Callable[[], bool]) -> list:
-        """Step vLLM's engine until every request ends or `stop()` is true; the requests still running
+    def _generate_until(self, inputs: list[dict], sampling: list, stop: Callable[[np.ndarray], bool],
+                        rows: list[int], count: int) -> list:
+        """Step vLLM's engine until every request ends or `stop(finished)` is true (`rows`: the call's
+        row of each request, of `count`; the others have ended already); the requests still running
         are aborted and come back with the tokens they have (partial rollout). None: no token yet."""
         engine = self.llm.llm_engine
         ids = [f"hpcrl-{next(self._request_ids)}" for _ in inputs]
@@ -195,7 +197,9 @@ class VLLMEngine:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 latest[out.request_id] = out
-            if stop():
+            finished = np.ones(count, dtype=bool)
+            finished[rows] = [r in latest and latest[r].finished for r in ids]
+            if stop(finished):
                 engine.abort_request([r for r in ids if r not in latest or not latest[r].finished])
                 break
         return [latest.get(r) for r in ids]

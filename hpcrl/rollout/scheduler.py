@@ -4,10 +4,13 @@ Production and consumption are decoupled: batch b (the data of train step b, whi
 version b-1) may be generated with any policy version v >= b-1-K, K = `rollout.max_staleness`.
 So with K=0 a batch waits for the weights of the previous step (the synchronous pipeline), and with
 K>0 rollout generates while the trainer trains. Production is throttled to balance consumption:
-rollout works only on the batch training will take next, so at most one finished batch waits. One
-generation round runs at a time, so a deeper queue would not raise throughput (the slower side is
-busy all the time either way); it would only make every sample older. With rollout and training
-overlapping, samples are then one version old, and K bounds what a slow sync or refill may add.
+rollout works on the batch training will take next and, once all its groups are on their way and
+the bound allows, on the one after it (per-sample hand-out: the slots that the next batch's long
+responses leave free start the later batch's samples, and the round ends, handing the next batch
+to training, as soon as the next batch's last response ends). A deeper queue would not raise
+throughput (the slower side is busy all the time either way); it would only make every sample
+older. With rollout and training overlapping, samples are then one version old, and K bounds what
+a slow sync or refill may add.
 Dynamic sampling drops groups whose rewards are all equal and refills the batch from the queue;
 after `rollout.max_refills` refills the batch is trained short, on the groups it has (as DAPO
 does), cut to a size the trainer's DP replicas and minibatches split evenly.
@@ -55,12 +58,21 @@ class Round:
     version: int                        # the policy version rollout generates with
     samples: list[tuple[Group, int]]
 
+    def holds(self, batch: int) -> bool:
+        """Whether any row of the round is of batch `batch`."""
+        return any(g.batch == batch for g, _ in self.samples)
+
     def prompts(self, max_new_tokens: int) -> dict[str, Ragged | np.ndarray]:
-        """The call's rows: each prompt followed by its response so far, and the tokens it may add."""
+        """The call's rows: each prompt followed by its response so far, and the tokens it may add;
+        in a round that also starts a later batch, which rows are `needed` (of batch `batch`): the
+        round ends when they have."""
         prompts = Ragged.from_arrays([g.prompt_ids for g, _ in self.samples], np.int32)
         partial = Ragged.from_arrays([g.response_ids[i] for g, i in self.samples], np.int32)
-        return {"prompt_ids": Ragged.concat_rows(prompts, partial),
-                "budgets": max_new_tokens - partial.lengths}
+        rows = {"prompt_ids": Ragged.concat_rows(prompts, partial), "budgets": max_new_tokens - partial.lengths}
+        needed = np.array([g.batch == self.batch for g, _ in self.samples])
+        if not needed.all():
+            rows["needed"] = needed
+        return rows
 
 
 class RolloutScheduler:
@@ -113,12 +125,29 @@ class RolloutScheduler:
                                    f"{self.groups_unit} the trainer's replicas and minibatches need: the task is "
                                    "solved or out of reach; raise rollout.max_refills or set "
                                    "algorithm.dynamic_sampling=false")
+        samples += self._ahead(batch, rollout_version, samples)
         if not samples:
             return None
+        batch = samples[0][0].batch   # the next batch's rows come first; without any, the round is the later one's
         index = self.rounds[batch]
-        self.rounds[batch] += 1
+        self.rounds[batch] += 1   # a batch begun in the previous batch's round may have none of its own
         self.in_flight = Round(batch, index, rollout_version, samples)
         return self.in_flight
+
+    def _ahead(self, batch: int, rollout_version: int, samples: list[tuple[Group, int]]) -> list[tuple[Group, int]]:
+        """Per-sample hand-out: when every group of `batch` is on its way (or done), and the staleness
+        bound lets these weights produce the batch after it, the round starts (or continues) that
+        batch too, so the slots that `batch`'s long responses leave free are not idle. The round ends
+        when `batch`'s rows have (Round.prompts: `needed`); the later batch's go on in the next round."""
+        ahead = batch + 1
+        if self.missing(batch) > 0 or not self.may_produce(ahead, rollout_version):
+            return []
+        rows = [(g, i) for g in sorted(self.groups.values(), key=lambda g: g.group_id)
+                if g.batch == ahead and g.state is SampleState.GENERATING for i in g.unfinished()]
+        if self.attempts[ahead] == 0:   # its first round; refills wait until it is the next batch
+            rows += [(g, i) for g in self._new_groups(ahead, self.missing(ahead), rollout_version)
+                     for i in range(g.size)]
+        return rows
 
     def _exhausted(self, batch: int) -> bool:
         """No more refills for `batch`: its first round and `rollout.max_refills` refills are done."""

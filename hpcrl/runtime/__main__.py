@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             controller.shutdown()
         else:
             from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
+            from hpcrl.runtime.interrupts import drain_interrupts
             from hpcrl.runtime.worker import serve
 
             peers: dict[str, object] = {}
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name in layout.movable:   # the controller brings it back for its first stage
                     peers[name].offload()
             serve(peers, groups.replica, heartbeat=watch)
+            drain_interrupts()   # one sent as its round ended: MPICH's finalize fails on a message never read
             watch.stop()
             code = 0
         wait_sends()

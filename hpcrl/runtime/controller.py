@@ -165,11 +165,15 @@ class Controller:
         self.rollout_busy.start()
 
     def _interrupt_round(self) -> None:
-        """Partial rollout: newer weights are staged while a round runs; end it now, so that they are
-        pushed at once and its unfinished responses continue with them (hpcrl.runtime.interrupts)."""
+        """Partial rollout: newer weights are staged while a round runs that training is not waiting
+        for (only later batches' rows); end it now, so that the weights are pushed at once and its
+        unfinished responses continue with them (hpcrl.runtime.interrupts). A round holding the next
+        batch ends by itself when that batch's rows have (then the push goes out): cutting it would
+        only delay the batch training waits for (tiny long-tail job, K=1: 0.84x the samples/s)."""
         flight = self.round
         if (self._interrupts and flight is not None and not flight.interrupted
-                and self.staged_version > flight.round.version):
+                and self.staged_version > flight.round.version
+                and not flight.round.holds(self.scheduler.next_batch)):
             interrupt(self.groups["actor_infer"].result_ranks, (flight.round.batch, flight.round.index))
             flight.interrupted = True
 

@@ -238,14 +238,15 @@ class ActorInfer(Resident):
     def generate(self, batch: Batch, step: int, attempt: int = 0, greedy: bool = False,
                  interruptible: bool = False) -> Batch | None:
         """One round: a response (or its continuation) per row, each within its `budgets` entry of
-        new tokens; rows still running after `rollout.max_round_s`, or when the controller
-        interrupts round (step, attempt) (`interruptible`), come back unfinished. `greedy`: the
-        most likely tokens (evaluation)."""
+        new tokens; rows still running after `rollout.max_round_s`, when the controller interrupts
+        round (step, attempt) (`interruptible`), or once every row marked `needed` has ended, come
+        back unfinished. `greedy`: the most likely tokens (evaluation)."""
         if self.engine is None:  # a vLLM TP follower: the replica's first rank answers for it
             return None
         generator = sample_generator(self.job.seed, step, self.ctx.dp_index, attempt)
         params = dataclasses.replace(self.params, greedy=greedy)
-        stop = round_stop(self.job.rollout.max_round_s, (step, attempt) if interruptible else None)
+        stop = round_stop(self.job.rollout.max_round_s, (step, attempt) if interruptible else None,
+                          batch.get("needed"))
         out: Generation = self.engine.generate(batch["prompt_ids"], params, generator, batch["budgets"], stop)
         shift = behaviour_shift()   # 0 but in the mismatch tests
         logprobs = out.logprobs.with_values(out.logprobs.values + shift) if shift else out.logprobs

@@ -1,0 +1,147 @@
+"""hpcrl against TRL's GRPOTrainer on the same job, side by side (TRL: `pip install -e '.[bench]'`).
+
+The same job for both: the model (the job's Qwen2 config and its random initial weights, seed for
+seed), the tokenizer (hpcrl's character tokenizer as a Hugging Face one), the prompts (the built-in
+task's), the reward (hpcrl's `number` reward), group size, prompts per step, two optimizer steps per
+batch (train.minibatches; TRL: steps_per_generation), lr and its cosine schedule to min_lr_ratio,
+the clip range, KL to the reference as a k3 loss term (TRL's beta), the entropy bonus, response
+length and temperature. TRL generates with transformers (no vLLM), as hpcrl's native sampler does.
+Runs interleaved (hpcrl, TRL, hpcrl, TRL, ...), one at a time, each in a process of its own.
+
+Printed per system (means over the repetitions): samples/s over the steps after the first five,
+wall time of the whole process, start-up (process start to the first step's start), and the final
+reward (mean reward of the last 10% of the steps, at least 10); then hpcrl's ratio to TRL.
+
+    .venv/bin/python bench/vs_trl.py [--job jobs/tiny_grpo.yaml] [--steps 200] [--repeats 2] [--seed 1]
+    .venv/bin/python bench/vs_trl.py --job jobs/tiny_longtail.yaml --steps 100     # the long-tail variant
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import fmean
+
+from tiny_runs import run_job
+
+STEADY_AFTER = 5   # RL steps left out of samples/s (warm-up), as bench/tiny_runs.py does
+
+
+def trl_run(job_path: str, steps: int, seed: int, out: Path) -> dict[str, float]:
+    """TRL in a child process (its imports count, as hpcrl's do)."""
+    started = time.time()
+    subprocess.run([sys.executable, __file__, "--trl-child", job_path, str(steps), str(seed), str(out)], check=True,
+                   env=dict(os.environ, HPCRL_BENCH_STARTED=str(started)), stdout=subprocess.DEVNULL)
+    wall = time.time() - started
+    record = json.loads(out.read_text())
+    ends, rewards, per_step = record["step_ends"], record["rewards"], record["samples_per_step"]
+    rl_ends = ends[record["updates_per_step"] - 1::record["updates_per_step"]]
+    steady = rl_ends[STEADY_AFTER - 1:]
+    return {"samples/s": per_step * (len(steady) - 1) / (steady[-1] - steady[0]),
+            "final reward": fmean(rewards[-max(10 * record["updates_per_step"], len(rewards) // 10):]),
+            "start-up s": record["train_begin"] - started, "wall s": wall}
+
+
+def hpcrl_run(job_path: str, steps: int, seed: int, run_dir: Path) -> dict[str, float]:
+    """hpcrl as a user runs it; start-up: the wall time outside the steps (launch to the first step,
+    and the exit after the last, which is well under a second)."""
+    from hpcrl.metrics import read_metrics
+
+    summary = run_job(job_path, steps, seed, [], run_dir)
+    inside = sum(r["time_step_s"] for r in read_metrics(run_dir / "metrics.jsonl"))
+    return {"samples/s": summary["samples/s"], "final reward": summary["final reward"],
+            "start-up s": summary["wall s"] - inside, "wall s": summary["wall s"]}
+
+
+def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
+    """TRL's GRPOTrainer on the job's model, data and reward; writes the step times and rewards."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hpcrl.config import load_job
+    from hpcrl.data import CharTokenizer
+    from hpcrl.data.tasks import task_prompts
+    from hpcrl.engines.hf_model import random_model
+    from hpcrl.rewards.math import answer_reward
+
+    torch.set_num_threads(2)
+    job = load_job(job_path, [f"seed={seed}"])
+    tokenizer = CharTokenizer()
+    hf_tokenizer = tokenizer.to_hf()
+    hf_tokenizer.padding_side = "left"
+    model = random_model(job.model, tokenizer, job.seed)
+    prompts = task_prompts(job.task)
+    data = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
+
+    def reward(prompts, completions, completion_ids, answer, **_):
+        return [answer_reward(text, ref, tokenizer.eos_token_id in ids)
+                for text, ids, ref in zip(completions, completion_ids, answer)]
+
+    algo, train = job.algorithm, job.train
+    samples = train.prompts_per_step * algo.group_size
+    config = GRPOConfig(
+        output_dir=str(out.parent / "trl"), seed=seed, use_cpu=True, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, max_steps=steps * train.minibatches,
+        per_device_train_batch_size=samples // train.minibatches, steps_per_generation=train.minibatches,
+        gradient_accumulation_steps=1, num_generations=algo.group_size, num_iterations=train.ppo_epochs,
+        learning_rate=train.lr, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio}, warmup_ratio=0.0, weight_decay=train.weight_decay,
+        max_grad_norm=train.grad_clip or 0.0, loss_type="grpo", beta=algo.kl_loss.coef, epsilon=algo.clip_low,
+        epsilon_high=algo.clip_high, entropy_coef=algo.entropy_coef, max_completion_length=job.rollout.max_new_tokens,
+        temperature=job.rollout.temperature, top_p=job.rollout.top_p, top_k=job.rollout.top_k or None)
+    record = {"step_ends": [], "rewards": [], "samples_per_step": samples, "updates_per_step": train.minibatches}
+
+    class Times(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            record["train_begin"] = time.time()
+
+        def on_step_end(self, *_, **__):
+            record["step_ends"].append(time.time())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "reward" in logs:
+                record["rewards"].append(logs["reward"])
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=hf_tokenizer, callbacks=[Times()])
+    trainer.train()
+    out.write_text(json.dumps(record))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", default="jobs/tiny_grpo.yaml")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--trl-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_child:
+        job_path, steps, seed, out = args.trl_child
+        trl_child(job_path, int(steps), int(seed), Path(out))
+        return 0
+    results: dict[str, list[dict[str, float]]] = {"hpcrl": [], "TRL": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            results["hpcrl"].append(hpcrl_run(args.job, args.steps, args.seed, Path(tmp) / f"hpcrl-{repeat}"))
+            results["TRL"].append(trl_run(args.job, args.steps, args.seed, Path(tmp) / f"trl-{repeat}.json"))
+    print(f"{args.job}, {args.steps} steps, seed {args.seed}, {args.repeats} interleaved repetitions (means)")
+    print(f"{'':<14}{'hpcrl':>10}{'TRL':>10}{'hpcrl/TRL':>11}")
+    for key in results["hpcrl"][0]:
+        ours, theirs = (fmean(r[key] for r in results[name]) for name in ("hpcrl", "TRL"))
+        print(f"{key:<14}{ours:>10.3f}{theirs:>10.3f}{ours / theirs:>11.2f}")
+    for name, runs in results.items():
+        print(f"{name} per repetition: " + "; ".join(f"{r['samples/s']:.0f} samples/s, reward {r['final reward']:.3f}"
+                                                    for r in runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
