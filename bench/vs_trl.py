@@ -76,7 +76,8 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
     tokenizer = CharTokenizer()
     hf_tokenizer = tokenizer.to_hf()
     hf_tokenizer.padding_side = "left"
-    model = random_model(job.model, tokenizer, job.seed)
+    model_dir = out.parent / f"{out.stem}-init"   # TRL builds its reference model from a path
+    random_model(job.model, tokenizer, job.seed).save_pretrained(model_dir)
     prompts = task_prompts(job.task)
     data = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
 
@@ -92,10 +93,10 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
         per_device_train_batch_size=samples // train.minibatches, steps_per_generation=train.minibatches,
         gradient_accumulation_steps=1, num_generations=algo.group_size, num_iterations=train.ppo_epochs,
         learning_rate=train.lr, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio}, warmup_ratio=0.0, weight_decay=train.weight_decay,
+        lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio}, warmup_steps=0, weight_decay=train.weight_decay,
         max_grad_norm=train.grad_clip or 0.0, loss_type="grpo", beta=algo.kl_loss.coef, epsilon=algo.clip_low,
         epsilon_high=algo.clip_high, entropy_coef=algo.entropy_coef, max_completion_length=job.rollout.max_new_tokens,
-        temperature=job.rollout.temperature, top_p=job.rollout.top_p, top_k=job.rollout.top_k or None)
+        temperature=job.rollout.temperature, top_p=job.rollout.top_p, top_k=job.rollout.top_k)
     record = {"step_ends": [], "rewards": [], "samples_per_step": samples, "updates_per_step": train.minibatches}
 
     class Times(TrainerCallback):
@@ -109,7 +110,7 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
             if logs and "reward" in logs:
                 record["rewards"].append(logs["reward"])
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=hf_tokenizer, callbacks=[Times()])
     trainer.train()
     out.write_text(json.dumps(record))

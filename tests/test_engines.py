@@ -98,10 +98,25 @@ def test_a_deadline_leaves_waiting_prompts_unstarted_and_unfinished():
 
     _, tokenizer, model = tiny()
     slow = NativeSampler(model, -1, tokenizer.pad_token_id, step_delay_s=0.05, max_seqs=2)
+    deadline = time.monotonic() + 0.2
     cut = slow.generate(rows([tokenizer.encode("1+1=")] * 5), SamplingParams(50), torch.Generator().manual_seed(0),
-                        deadline=time.monotonic() + 0.2)
+                        stop=lambda finished: time.monotonic() > deadline)
     assert not cut.finished.any() and cut.response_ids.lengths[:2].min() >= 1
     assert cut.response_ids.lengths[2:].tolist() == [0, 0, 0], "the waiting ones start in the next round"
+
+
+def test_a_round_ends_when_its_needed_rows_have_and_the_others_continue_later():
+    """Per-sample hand-out: the first two rows (the batch training takes next) have budgets of 2
+    and 3 tokens; the round ends once both have, with the later batch's rows cut where they are."""
+    from hpcrl.runtime.interrupts import round_stop
+
+    _, tokenizer, model = tiny()
+    sampler = NativeSampler(model, -1, tokenizer.pad_token_id)   # no <eos>: the budgets end the rows
+    needed = np.array([True, True, False, False])
+    out = sampler.generate(rows([tokenizer.encode("1+1=")] * 4), SamplingParams(20), torch.Generator().manual_seed(0),
+                           budgets=np.array([2, 3, 20, 20]), stop=round_stop(None, None, needed))
+    assert out.finished.tolist() == [True, True, False, False]
+    assert out.response_ids.lengths.tolist() == [2, 3, 3, 3]
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():

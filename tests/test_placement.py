@@ -441,7 +441,7 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["roles.env={}"], "roles.env: multi-turn environments are not implemented yet"),
     (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 new tokens leave no room for a prompt in the "
                                           "model's context of 64 positions (model.max_position_embeddings)"),
-    (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, modulus, name"),
+    (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, max_count, modulus, name"),
 ]
 
 

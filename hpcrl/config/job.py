@@ -80,18 +80,19 @@ class TaskConfig(Schema):
     max_count: PositiveInt | None = Field(None, description="repeat: the longest answer (default 64); an answer of "
                                           "n digits is drawn in proportion to 1/n")
 
-    @model_validator(mode="after")
-    def _fields_of_the_task(self) -> "TaskConfig":
-        own = {"addition": ("digits", "modulus"), "repeat": ("max_count",)}
-        for name, fields in own.items():
-            stray = [f for f in fields if name != self.name and getattr(self, f) is not None]
-            if stray:
-                raise ValueError(f"task.{stray[0]} applies to the {name} task, not to {self.name}: remove it")
-        if self.name == "addition" and self.digits is None:
-            self.digits = 1
-        if self.name == "repeat" and self.max_count is None:
-            self.max_count = 64
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_the_task(cls, data: Any) -> Any:
+        """A field of another task is an error; the chosen task's own fields get their defaults."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("name", "addition")
+        own = {"addition": {"digits": 1, "modulus": None}, "repeat": {"max_count": 64}}
+        for task, defaults in own.items():
+            stray = [f for f in defaults if task != name and data.get(f) is not None]
+            if stray and name in own:
+                raise ValueError(f"task.{stray[0]} applies to the {task} task, not to {name}: remove it")
+        return {**own.get(name, {}), **{k: v for k, v in data.items() if v is not None}}
 
 
 class DatasetConfig(Schema):
