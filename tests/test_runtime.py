@@ -32,6 +32,21 @@ def test_dp_ranks_hold_identical_weights_after_every_step(short_run):
     assert len({m["digest_actor_train"][0] for m in metrics}) == 3, "the weights change every step"
 
 
+def test_every_ranks_start_up_is_written_down_phase_by_phase(short_run):
+    """RUN_DIR/startup.json: when each rank passed each phase of its start-up, since mpiexec
+    started (bench/startup.py prints it)."""
+    run_dir, _, _ = short_run
+    table = json.loads((run_dir / "startup.json").read_text())
+    assert sorted(table) == ["0", "1", "2", "3"]
+    assert table["0"]["roles"] == "controller" and table["3"]["roles"] == "actor_infer"
+    for rank in table.values():
+        times = [p["at_s"] for p in rank["phases"]]
+        assert times == sorted(times) and 0 <= times[0] and times[-1] < 120
+        assert {"MPI", "torch imported", "initial weights"} <= {p["phase"] for p in rank["phases"]}
+    assert table["0"]["phases"][-1]["phase"] == "first weight sync"
+    assert {"actor_train built", "reference built"} <= {p["phase"] for p in table["1"]["phases"]}
+
+
 def test_rollout_generates_with_the_trained_weights(short_run):
     _, metrics, _ = short_run
     for m in metrics:

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RAN
 from hpcrl.launch.lock import TOKEN_ENV, Holder, acquire, release, slurm_job_key
 from hpcrl.launch.shm import remove_stale
 from hpcrl.placement import Plan
+from hpcrl.runtime.startup import LAUNCHED_ENV
 
 
 def mpiexec_path() -> str:
@@ -102,6 +104,7 @@ def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None,
         command += runtime_command(sys.executable, resolved, profile_path, run_dir, resume)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env[TOKEN_ENV] = holder.token
+        env[LAUNCHED_ENV] = repr(time.time())   # the origin of RUN_DIR/startup.json
         for attempt in range(profile.max_restarts + 1):
             shutil.rmtree(run_dir / RANK_EXITS_DIR, ignore_errors=True)   # exit records of an earlier world
             code = _run_forwarding_signals(command, env, run_dir)

@@ -23,7 +23,13 @@ from hpcrl.checkpoint import PreemptionSignal  # noqa: E402
 PREEMPTION = PreemptionSignal().install()
 STARTED = __import__("time").time()   # when this world started: older exit records are an earlier one's
 
+from hpcrl.runtime import startup  # noqa: E402
+
+startup.spawned()
+startup.mark("python started")
 from hpcrl.runtime.mpi_world import COMM, CONTROLLER, abort, barrier, report_and_wait  # noqa: E402
+
+startup.mark("MPI")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -113,8 +119,10 @@ def _initial_weights(job, tokenizer, run_dir: Path, rank: int):
         return None
     from hpcrl.engines.model_files import ModelFiles, model_dir, write_random_init
 
+    startup.mark("transformers imported")
     if job.model.path is None and rank == CONTROLLER + 1:
         write_random_init(job, tokenizer, run_dir)
+        startup.mark("random initial weights written")
     barrier()
     return ModelFiles(model_dir(job, run_dir))
 
@@ -122,11 +130,14 @@ def _initial_weights(job, tokenizer, run_dir: Path, rank: int):
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     job, profile, layout = _load_on_controller(args)
+    startup.mark("plan")
     import torch.distributed as dist
 
     from hpcrl.data import load_tokenizer
     from hpcrl.runtime.groups import build_process_groups
     from hpcrl.runtime.mpi_world import init_torch_distributed, require_threads, set_cpu_threads, wait_sends
+
+    startup.mark("torch imported")
 
     rank = COMM.Get_rank()
     role = "controller" if rank == CONTROLLER else ",".join(layout.roles_on(rank))
@@ -140,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(layout.local_device[rank])
         init_torch_distributed("nccl" if profile.device == "cuda" else "gloo")
         groups = build_process_groups(layout, rank, job.rollout.sync_timeout_s)
+        startup.mark("torch.distributed")
         tokenizer = load_tokenizer(job.model)
         weights = _initial_weights(job, tokenizer, Path(args.run_dir), rank)
+        startup.mark("initial weights")
         if rank == CONTROLLER:
             from hpcrl.runtime.controller import Controller
 
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
             controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, args.restart,
                                     args.allow_config_change)
+            startup.mark("controller built")
             try:
                 code = controller.run()
             except (RefusedError, ConfigMismatchError) as exc:   # nothing a restart would change
@@ -180,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 peers[name] = ROLE_CLASSES[name](ctx)
                 if name in layout.movable:   # the controller brings it back for its first stage
                     peers[name].offload()
+                startup.mark(f"{name} built")
             serve(peers, groups.replica, heartbeat=watch)
             drain_interrupts()   # one sent as its round ended: MPICH's finalize fails on a message never read
             watch.stop()
@@ -194,4 +209,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpcrl.runtime.mpi_world import leave
+
+    leave(main())

@@ -43,6 +43,7 @@ from hpcrl.runtime.layout import WorldLayout
 from hpcrl.runtime.messages import SHUTDOWN, TAG_SYNC
 from hpcrl.runtime.off_policy import off_policy_columns
 from hpcrl.runtime.evaluation import Evaluator
+from hpcrl.runtime import startup
 from hpcrl.runtime.interrupts import interrupt
 from hpcrl.runtime.residency import Residency
 from hpcrl.runtime.scoring import Scorer, domain_metrics
@@ -101,6 +102,7 @@ class Controller:
         self.residency = Residency(layout.residency, self.groups)
         workers = sorted({rank for role in layout.roles.values() for rank in role.ranks})
         self.everyone = WorkerGroup("*", workers)
+        self.rank_roles = [",".join(layout.roles_on(rank)) for rank in workers]   # for RUN_DIR/startup.json
         sync = layout.sync
         # Stage leaders with loaders to send to run a weight server thread (calls on TAG_SYNC).
         self.servers = WorkerGroup("actor_train", [src for stage, src in enumerate(sync.sources)
@@ -375,8 +377,14 @@ class Controller:
         early: see hpcrl.checkpoint.signals)."""
         job = self.job
         self._restore()
-        run(self.everyone, "ready", Dispatch.ONE_TO_ALL)   # every role built: the first sync waits for no one
+        startup.mark("checkpoint restored")
+        # every role built: the first sync waits for no one
+        workers = run(self.everyone, "ready", Dispatch.ONE_TO_ALL)
+        startup.mark("every rank ready")
         self._sync_now()  # rollout starts from exactly the trainer's weights, checked once
+        startup.mark("first weight sync")
+        startup.write(self.run_dir, [startup.MARKS, *workers],
+                      ["controller", *self.rank_roles])
         with StepRecorder(self.run_dir, job.train.steps, job.log.print_every, job.log.tensorboard,
                           resume_step=self.step, restored=self.history) as recorder:
             if self.step == 0 and self.evaluator.due(0):   # the starting point, what the run improves on

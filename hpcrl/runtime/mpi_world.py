@@ -34,6 +34,10 @@ class Traffic:
 
 
 TRAFFIC = Traffic()
+# The longest sleep between two probes of a waiting receive: every call's hand-over waits up to this
+# on each side. Tiny job, 100 steps, 4 ranks on 2 cores: 5 ms 1580 samples/s, 1 ms 1940, 0.3 ms 1710
+# (the probing itself then takes the cores the busy ranks need).
+POLL_MAX_SLEEP_S = 1e-3
 
 
 def send(obj: Any, dest: int, tag: int, wait: bool = False) -> int:
@@ -77,7 +81,7 @@ def wait_sends() -> None:
 def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
               timeout: float | None = None) -> tuple[Any, int, int] | None:
     """Receive one framed message (see `send`) without spinning: probe, then sleep with back-off
-    up to 5 ms. Returns (object, source, tag), or None when `timeout` seconds pass first.
+    up to POLL_MAX_SLEEP_S. Returns (object, source, tag), or None when `timeout` seconds pass first.
 
     Ranks are often oversubscribed (4 ranks on 2 cores here, or idle ranks beside busy ones on a
     GPU node); a blocking MPI receive busy-polls and would steal the CPU the busy ranks need.
@@ -96,7 +100,7 @@ def poll_recv(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
         if deadline is not None and time.monotonic() >= deadline:
             return None
         time.sleep(delay)
-        delay = 1e-4 if _SENDING else min(delay * 2, 5e-3)   # sends in progress need MPI's attention
+        delay = 1e-4 if _SENDING else min(delay * 2, POLL_MAX_SLEEP_S)   # sends in progress need MPI's attention
     source, tag = status.Get_source(), status.Get_tag()
     header = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
     message.Recv(header)
@@ -126,6 +130,19 @@ def abort(message: str, code: int = 1) -> None:
     print(message, file=sys.stderr, flush=True)
     COMM.Abort(code)
     os._exit(code)  # MPI_Abort may return before the process manager kills this rank: never go on
+
+
+def leave(code: int | None) -> None:
+    """End this rank once its work is done, without the collector's pass over every object at
+    interpreter exit: with torch and transformers loaded that teardown took 0.85 s a process (0.15 s
+    frozen), and the tiny job's 4 ranks on 2 cores spent 1.7 s after their last word. MPI is
+    finalized as usual, at exit (ending a rank with os._exit, even after MPI_Finalize, made
+    mpiexec kill the world)."""
+    import gc
+
+    gc.disable()
+    gc.freeze()
+    sys.exit(code)
 
 
 def report_and_wait(role: str, method: str) -> None:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from hpcrl.config.constants import EXIT_HUNG, EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
+from hpcrl.runtime.startup import SPAWNED_ENV
 
 SUPERVISED_ENV = "HPCRL_SUPERVISED"
 EXITS_DIR = RANK_EXITS_DIR
@@ -77,7 +78,7 @@ def _run_dir(argv: list[str]) -> Path | None:
 
 def supervise(argv: list[str]) -> int:
     """Run `python -m hpcrl.runtime argv` as a child and return (as this process's exit code) how it ended."""
-    env = dict(os.environ, **{SUPERVISED_ENV: "1"})
+    env = dict(os.environ, **{SUPERVISED_ENV: "1", SPAWNED_ENV: repr(time.time())})
     child = subprocess.Popen([sys.executable, "-m", "hpcrl.runtime", *argv], env=env, close_fds=False,
                              preexec_fn=_die_with_parent)
     for signum in _FORWARDED:

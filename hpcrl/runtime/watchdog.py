@@ -64,12 +64,15 @@ class Heartbeat:
             activity = self.activity
             method, seconds = (activity[0], time.monotonic() - activity[1]) if activity else (None, 0.0)
             send(Beat(method, seconds), CONTROLLER, TAG_HEARTBEAT)
-            if poll_recv(source=CONTROLLER, tag=TAG_DUMP, timeout=self.interval_s) is not None:
-                from hpcrl.runtime.mpi_world import COMM
+            beat_due = time.monotonic() + self.interval_s
+            # in slices, so that `stop` returns at once (a rank's exit waited for a whole interval)
+            while not self._stopping.is_set() and time.monotonic() < beat_due:
+                if poll_recv(source=CONTROLLER, tag=TAG_DUMP, timeout=0.05) is not None:
+                    from hpcrl.runtime.mpi_world import COMM
 
-                print(f"hpcrl: Python stacks of rank {COMM.Get_rank()}, as asked by the controller:", file=sys.stderr,
-                      flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    print(f"hpcrl: Python stacks of rank {COMM.Get_rank()}, as asked by the controller:",
+                          file=sys.stderr, flush=True)
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 class Watchdog:

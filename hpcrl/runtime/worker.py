@@ -21,8 +21,12 @@ class RankHost:
     def __init__(self, roles: dict[str, Any]):
         self.roles = roles
 
-    def ready(self) -> None:
-        """Answered once every role of the rank is built: the controller's start-up barrier."""
+    def ready(self) -> list[tuple[str, float]]:
+        """Answered once every role of the rank is built (the controller's start-up barrier), with
+        when this rank passed each phase of its start-up (hpcrl.runtime.startup)."""
+        from hpcrl.runtime import startup
+
+        return startup.MARKS
 
     def save_checkpoint(self, path: str) -> None:
         from hpcrl.checkpoint import save_rng
