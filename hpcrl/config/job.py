@@ -258,10 +258,11 @@ class RolloutConfig(Schema):
                                               "unfinished responses keep their tokens and continue in the next "
                                               "round (partial rollout), so a weight sync never waits longer for "
                                               "rollout; unset: rounds run to the end")
-    partial_rollout: bool = Field(True, description="with max_staleness >= 1: a round in flight ends as soon as "
-                                  "the trainer has staged newer weights, which are pushed at once; its unfinished "
-                                  "responses continue with them, each token keeping the version (and behaviour "
-                                  "log-prob) that sampled it. false: new weights wait for the round's end")
+    partial_rollout: bool = Field(True, description="with max_staleness >= 1: a round that training is not "
+                                  "waiting for (only later batches' rows) ends as soon as the trainer has staged "
+                                  "newer weights, which are pushed at once; its unfinished responses continue with "
+                                  "them, each token keeping the version (and behaviour log-prob) that sampled it. "
+                                  "false: new weights wait for the round's end")
 
 
 class CheckpointConfig(Schema):

@@ -15,10 +15,11 @@ Dynamic sampling drops groups whose rewards are all equal and refills the batch 
 after `rollout.max_refills` refills the batch is trained short, on the groups it has (as DAPO
 does), cut to a size the trainer's DP replicas and minibatches split evenly.
 A round cut short leaves some responses unfinished; the next round continues them first (partial
-rollout), then starts what the batch still misses. Rounds are cut by `rollout.max_round_s`, and, with
-`rollout.partial_rollout` and K>0, when the trainer has staged newer weights (the controller
-interrupts the round): the continuation samples with the new weights, and each token keeps the
-version that sampled it.
+rollout), then starts what the batch still misses. Rounds are cut by `rollout.max_round_s`, when the
+next batch's rows have ended (above), and, with `rollout.partial_rollout` and K>0, when the trainer
+has staged newer weights while a round runs that training is not waiting for (the controller
+interrupts it): the continuation samples with the new weights, and each token keeps the version
+that sampled it.
 """
 from __future__ import annotations
 
@@ -109,8 +110,7 @@ class RolloutScheduler:
         batch = self.next_batch
         if self.in_flight is not None or not self.may_produce(batch, rollout_version):
             return None
-        samples = [(g, i) for g in sorted(self.groups.values(), key=lambda g: g.group_id)
-                   if g.batch == batch and g.state is SampleState.GENERATING for i in g.unfinished()]
+        samples = self._unfinished(batch)
         missing = self.missing(batch)
         if missing > 0:
             # A refill round is a full round (as in DAPO): when few groups survive the filter,
@@ -125,7 +125,7 @@ class RolloutScheduler:
                                    f"{self.groups_unit} the trainer's replicas and minibatches need: the task is "
                                    "solved or out of reach; raise rollout.max_refills or set "
                                    "algorithm.dynamic_sampling=false")
-        samples += self._ahead(batch, rollout_version, samples)
+        samples += self._ahead(batch, rollout_version)
         if not samples:
             return None
         batch = samples[0][0].batch   # the next batch's rows come first; without any, the round is the later one's
@@ -134,7 +134,12 @@ class RolloutScheduler:
         self.in_flight = Round(batch, index, rollout_version, samples)
         return self.in_flight
 
-    def _ahead(self, batch: int, rollout_version: int, samples: list[tuple[Group, int]]) -> list[tuple[Group, int]]:
+    def _unfinished(self, batch: int) -> list[tuple[Group, int]]:
+        """The responses of `batch` still running (cut short by an earlier round), in group order."""
+        return [(g, i) for g in sorted(self.groups.values(), key=lambda g: g.group_id)
+                if g.batch == batch and g.state is SampleState.GENERATING for i in g.unfinished()]
+
+    def _ahead(self, batch: int, rollout_version: int) -> list[tuple[Group, int]]:
         """Per-sample hand-out: when every group of `batch` is on its way (or done), and the staleness
         bound lets these weights produce the batch after it, the round starts (or continues) that
         batch too, so the slots that `batch`'s long responses leave free are not idle. The round ends
@@ -142,8 +147,7 @@ class RolloutScheduler:
         ahead = batch + 1
         if self.missing(batch) > 0 or not self.may_produce(ahead, rollout_version):
             return []
-        rows = [(g, i) for g in sorted(self.groups.values(), key=lambda g: g.group_id)
-                if g.batch == ahead and g.state is SampleState.GENERATING for i in g.unfinished()]
+        rows = self._unfinished(ahead)
         if self.attempts[ahead] == 0:   # its first round; refills wait until it is the next batch
             rows += [(g, i) for g in self._new_groups(ahead, self.missing(ahead), rollout_version)
                      for i in range(g.size)]

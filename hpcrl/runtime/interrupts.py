@@ -1,9 +1,9 @@
 """Ending a generation round early: after `rollout.max_round_s`, or when the controller says so.
 
-With `rollout.partial_rollout` and K>0 the controller interrupts the round in flight as soon as the
-trainer has staged newer weights (ROLL's and AReaL's partial rollout): the replicas stop between two
-decoding steps and return what they have, the weights are pushed, and the next round continues the
-unfinished responses with them. An interrupt names its round, (batch, round index): one that arrives
+With `rollout.partial_rollout` and K>0 the controller interrupts a round that training is not
+waiting for (only later batches' rows) as soon as the trainer has staged newer weights (ROLL's and
+AReaL's partial rollout): the replicas stop between two decoding steps and return what they have,
+the weights are pushed, and the next round continues the unfinished responses with them. An interrupt names its round, (batch, round index): one that arrives
 after its round has ended is read by the next round and ignored there. A round that also starts the
 batch after next ends by itself when the next batch's rows have all ended (per-sample hand-out).
 """
@@ -46,7 +46,9 @@ def round_stop(max_round_s: float | None, key: RoundKey | None,
     the round's time is up, the controller interrupted round `key` (None: an uninterruptible call),
     or every row marked `needed` has ended (the batch training takes next is complete; the other
     rows, of a later batch, continue in the next round)."""
-    if max_round_s is None and key is None and (needed is None or not needed.any()):
+    if needed is not None and not needed.any():
+        needed = None   # a round of later batches only: it runs to its end
+    if max_round_s is None and key is None and needed is None:
         return None
     deadline = None if max_round_s is None else time.monotonic() + max_round_s
     stopped = False
@@ -54,7 +56,7 @@ def round_stop(max_round_s: float | None, key: RoundKey | None,
     def stop(finished: np.ndarray) -> bool:
         nonlocal stopped
         stopped = (stopped or (deadline is not None and time.monotonic() > deadline)
-                   or (needed is not None and needed.any() and bool(finished[needed].all()))
+                   or (needed is not None and bool(finished[needed].all()))
                    or (key is not None and _interrupted(key)))
         return stopped
 
