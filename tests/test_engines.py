@@ -13,7 +13,7 @@ from hpcrl.config import load_job
 from hpcrl.data import CharTokenizer
 from hpcrl.engines.batch import pack, response_logprobs
 from hpcrl.engines.hf_model import random_model
-from hpcrl.engines.native_sampler import NativeSampler, SamplingParams, _filter_logits
+from hpcrl.engines.native_sampler import NativeSampler, SamplingParams, _filter_logits, _inverse_cdf, _uniforms
 from hpcrl.ragged import Ragged
 
 
@@ -74,7 +74,7 @@ def test_sampling_is_reproducible_from_the_generator_seed():
 
 def test_continuous_batching_samples_what_each_prompt_alone_would():
     """Rows leave the batch as they finish and waiting prompts take their slots; every row samples
-    from its own generator, so with the same seeds the tokens and log-probs are those of each prompt
+    from draws of its own seed, so with the same seeds the tokens and log-probs are those of each prompt
     generated alone, for any number of slots."""
     _, tokenizer, model = tiny()
     prompts = rows([tokenizer.encode(f"{a}+{b}=") for a, b in [(1, 2), (34, 5), (6, 78), (9, 0), (12, 3)] * 3])
@@ -91,6 +91,24 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
         for row, a in zip(out.logprobs, alone):
             assert np.allclose(row, a.logprobs[0], atol=1e-5)
         assert out.finished.all()
+
+
+def test_counter_based_draws_follow_the_distribution_and_never_pick_a_masked_token():
+    """The batch samples at once from per-(seed, position) uniforms: over many seeds the frequencies
+    match the probabilities (a 5-sigma band), a zero-probability token is never drawn, and the
+    uniforms of one seed are independent of the others in the batch."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.15, 0.05]]).repeat(40_000, 1)
+    seeds = np.arange(40_000, dtype=np.uint64) * np.uint64(7919) + np.uint64(3)
+    drawn = _inverse_cdf(probs, _uniforms(seeds, np.zeros(40_000, np.int64)))
+    freq = torch.bincount(drawn, minlength=5).double() / 40_000
+    sigma = (probs[0] * (1 - probs[0]) / 40_000).sqrt()
+    assert freq[1] == 0
+    assert ((freq - probs[0].double()).abs() <= 5 * sigma + 1e-12).all(), freq
+    u = _uniforms(seeds[:3], np.array([0, 1, 2]))
+    assert (0 < u).all() and (u < 1).all()
+    assert _uniforms(seeds[1:2], np.array([1]))[0] == u[1]
+    positions = _uniforms(np.full(20_000, 11, np.uint64), np.arange(20_000))
+    assert abs(positions.mean() - 0.5) < 0.01 and abs(np.corrcoef(positions[:-1], positions[1:])[0, 1]) < 0.03
 
 
 def test_a_deadline_leaves_waiting_prompts_unstarted_and_unfinished():

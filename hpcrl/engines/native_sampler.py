@@ -59,10 +59,12 @@ class Generation:
 
 class NativeSampler:
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0,
-                 max_seqs: int | None = None):
+                 max_seqs: int | None = None, owns_weights: bool = True):
         """`max_seqs`: sequences decoding at once (rollout.max_num_seqs; None: every prompt of a call);
-        `step_delay_s`: a pause after every decoding step, for tests of long rounds only."""
+        `step_delay_s`: a pause after every decoding step, for tests of long rounds only;
+        `owns_weights`: false when `model` is a trainer's, which sleep and wake leave where it is."""
         self.model = model
+        self.owns_weights = owns_weights
         self.max_seqs = max_seqs
         self.eos_id = eos_id
         self.pad_id = pad_id
@@ -110,7 +112,7 @@ class NativeSampler:
     def sleep(self) -> None:
         """The weights to host memory (it keeps no cache between calls); the landing buffers they are
         views of go too, and come back in place, so a sync still lands in them."""
-        if not self._asleep:
+        if self.owns_weights and not self._asleep:
             self._host = release(model_state_tensors(self.model.parameters()), self._host)
             self._asleep = True
 
@@ -129,25 +131,50 @@ class NativeSampler:
 
         Continuous batching: at most `max_seqs` sequences decode together; a finished one leaves
         the batch at once and a waiting prompt takes its place (after its own prefill), so a long
-        response never keeps the short ones' slots busy. Every sequence samples from a generator
-        of its own (`seeds[i]`, else drawn from `generator`), so its tokens do not depend on which
-        others share its batch."""
+        response never keeps the short ones' slots busy. Every sequence draws from uniforms of
+        its own seed (`seeds[i]`, else drawn from `generator`) and token index, so its tokens do not
+        depend on which others share its batch, while the batch samples in one call."""
         count = len(prompts)
         if not count:
             return Generation.empty(0)
+        training = self.model.training   # a trainer's model (owns_weights false) goes back to training mode
         self.model.eval()
         budgets = np.asarray(budgets if budgets is not None else np.full(count, params.max_new_tokens))
         if seeds is None:
             seeds = torch.randint(0, 2 ** 62, (count,), generator=generator).numpy()
         run = _Decoding(self, prompts, params, budgets, seeds)
-        while run.waiting or run.active:
+        while run.waiting or len(run.active):
             if stop is not None and stop(run.finished):
                 break
             run.admit()
             run.step()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
+        self.model.train(training)
         return run.generation()
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """A uniform in (0, 1) per (seed, token index): SplitMix64 of the pair, a counter-based draw, so
+    that a sequence's tokens depend on its seed alone (not on which others share its batch, nor on
+    the device) while the whole batch samples at once, without a generator per sequence."""
+    with np.errstate(over="ignore"):
+        z = seeds + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:
+    """Per row, the token whose cumulative-probability interval holds the row's uniform (zero-probability
+    tokens have empty intervals, so they are never drawn)."""
+    cdf = probs.double().cumsum(-1)
+    threshold = torch.from_numpy(uniforms).to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
+    return (cdf < threshold).sum(-1).clamp_(max=probs.shape[-1] - 1)
+
 
 def _cache_of(out) -> tuple[str, object]:
     """(the keyword a forward takes it by, the KV cache a forward returned): transformers 5.20
@@ -163,12 +190,14 @@ class _Decoding:
                  seeds: np.ndarray):
         self.sampler, self.prompts, self.params, self.budgets = sampler, prompts, params, budgets
         self.device = next(sampler.model.parameters()).device
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        self.tokens: list[list[int]] = [[] for _ in range(len(prompts))]
-        self.logprobs: list[list[float]] = [[] for _ in range(len(prompts))]
+        self.seeds = np.asarray(seeds).astype(np.uint64)
+        width = int(budgets.max(initial=0))
+        self.tokens = np.zeros((len(prompts), width), np.int32)
+        self.logprobs = np.zeros((len(prompts), width), np.float32)
+        self.lengths = np.zeros(len(prompts), np.int64)
         self.finished = budgets <= 0
         self.waiting = collections.deque(np.flatnonzero(~self.finished).tolist())
-        self.active: list[int] = []   # rows of the cache, in order
+        self.active = np.zeros(0, np.int64)   # rows of the cache, in order
         self.cache, self.mask, self.logits, self.next_position = None, None, None, None
         self.cache_key = "past_key_values"
 
@@ -177,8 +206,8 @@ class _Decoding:
         free = (self.sampler.max_seqs or len(self.prompts)) - len(self.active)
         if free <= 0 or not self.waiting:
             return
-        rows = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        ids, mask = (t.to(self.device) for t in left_pad(self.prompts.take(np.array(rows)), self.sampler.pad_id))
+        rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
+        ids, mask = (t.to(self.device) for t in left_pad(self.prompts.take(rows), self.sampler.pad_id))
         out = self.sampler.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
         self.cache_key, cache = _cache_of(out)
         logits, lengths = out.logits[:, -1], mask.sum(1)
@@ -188,7 +217,7 @@ class _Decoding:
             self.mask = kv_rows.concat_rows(self.cache, self.mask, cache, mask)
             self.logits = torch.cat([self.logits, logits])
             self.next_position = torch.cat([self.next_position, lengths])
-        self.active += rows
+        self.active = np.concatenate([self.active, rows])
 
     def step(self) -> None:
         """Sample a token for every decoding sequence; finished ones leave; the rest advance one position."""
@@ -198,25 +227,23 @@ class _Decoding:
         if params.greedy:
             chosen = logits.argmax(-1)
         else:
-            probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1).cpu()
-            # each sequence's own CPU generator: a seed means the same tokens on any device, in any batch
-            chosen = torch.cat([torch.multinomial(probs[j], 1, generator=self.generators[row])
-                                for j, row in enumerate(self.active)]).to(self.device)
-        picked = full_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu().tolist()
-        keep = []
-        for j, (row, token) in enumerate(zip(self.active, chosen.cpu().tolist())):
-            self.tokens[row].append(token)
-            self.logprobs[row].append(picked[j])
-            done = token == self.sampler.eos_id or len(self.tokens[row]) >= self.budgets[row]
-            self.finished[row] = done
-            if not done:
-                keep.append(j)
-        if len(keep) < len(self.active):
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self.active = [self.active[j] for j in keep]
-            if not keep:
+            probs = torch.softmax(_filter_logits(logits, params.top_k, params.top_p), dim=-1)
+            chosen = _inverse_cdf(probs, _uniforms(self.seeds[self.active], self.lengths[self.active]))
+        picked = full_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu().numpy()
+        tokens = chosen.cpu().numpy()
+        rows, position = self.active, self.lengths[self.active]
+        self.tokens[rows, position] = tokens
+        self.logprobs[rows, position] = picked
+        self.lengths[rows] += 1
+        done = (tokens == self.sampler.eos_id) | (self.lengths[rows] >= self.budgets[rows])
+        self.finished[rows] = done
+        if done.any():
+            keep = np.flatnonzero(~done)
+            self.active = rows[keep]
+            if not len(keep):
                 self.cache = self.mask = self.logits = self.next_position = None
                 return
+            index = torch.from_numpy(keep).to(self.device)
             self.mask = kv_rows.trim_left(self.cache, kv_rows.select_rows(self.cache, self.mask, index))
             chosen, self.next_position = chosen[index], self.next_position[index]
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.active), 1))], dim=1)
@@ -228,6 +255,5 @@ class _Decoding:
         self.next_position = self.next_position + 1
 
     def generation(self) -> Generation:
-        return Generation(Ragged.from_rows([np.asarray(t, np.int32) for t in self.tokens], np.int32),
-                          Ragged.from_rows([np.asarray(lp, np.float32) for lp in self.logprobs], np.float32),
+        return Generation(Ragged.from_padded(self.tokens, self.lengths), Ragged.from_padded(self.logprobs, self.lengths),
                           self.finished.copy())
