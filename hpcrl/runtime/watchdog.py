@@ -26,7 +26,7 @@ from pathlib import Path
 from hpcrl.config.constants import EXIT_HUNG
 from hpcrl.config.job import WatchdogConfig
 from hpcrl.runtime.messages import TAG_DUMP, TAG_HEARTBEAT, Beat, ErrorReport
-from hpcrl.runtime.mpi_world import CONTROLLER, abort, poll_recv, send
+from hpcrl.runtime.mpi_world import CONTROLLER, abort, poll_recv, queued, send
 from hpcrl.runtime.supervisor import EXITS_DIR, describe_exit, read_exit_record
 
 TICK_S = 1.0   # how often the controller looks (when no message is waiting)
@@ -43,6 +43,8 @@ class RankInfo:
     def describe(self, rank: int) -> str:
         return f"rank {rank} (role {self.roles}, host {self.host}, pid {self.pid})"
 
+
+DUMP_PROBE_S = 0.05   # how often a worker looks for the controller's request of its stacks
 
 class Heartbeat:
     """A worker's thread: a heartbeat every `interval_s`, and a stack dump when the controller asks."""
@@ -65,9 +67,12 @@ class Heartbeat:
             method, seconds = (activity[0], time.monotonic() - activity[1]) if activity else (None, 0.0)
             send(Beat(method, seconds), CONTROLLER, TAG_HEARTBEAT)
             beat_due = time.monotonic() + self.interval_s
-            # in slices, so that `stop` returns at once (a rank's exit waited for a whole interval)
-            while not self._stopping.is_set() and time.monotonic() < beat_due:
-                if poll_recv(source=CONTROLLER, tag=TAG_DUMP, timeout=0.05) is not None:
+            # A probe every 50 ms, asleep in between (a receive's back-off would wake this thread
+            # every millisecond, and take the GIL from the busy main thread each time); `stop`
+            # ends the wait at once (a rank's exit waited for a whole interval).
+            while not self._stopping.wait(DUMP_PROBE_S) and time.monotonic() < beat_due:
+                if queued(source=CONTROLLER, tag=TAG_DUMP):
+                    poll_recv(source=CONTROLLER, tag=TAG_DUMP)
                     from hpcrl.runtime.mpi_world import COMM
 
                     print(f"hpcrl: Python stacks of rank {COMM.Get_rank()}, as asked by the controller:",
