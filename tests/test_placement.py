@@ -165,9 +165,32 @@ def test_tiny_job_plan():
     assert infer.memory_gb["train"] == infer.memory_gb["rollout"] > 0  # alone on its slot: stays resident
 
 
+COLOCATED_ROLLOUT = ["roles.actor_infer.colocate_with=actor_train", "roles.actor_infer.parallel.dp=2"]
+
+
+@pytest.mark.parametrize("overrides, shares", [
+    (COLOCATED_ROLLOUT, True),
+    ([], False),                                                      # rollout on a rank of its own
+    (COLOCATED_ROLLOUT + ["rollout.share_trainer_weights=false"], False),
+    (COLOCATED_ROLLOUT + ["model.dtype=bfloat16"], False),            # the trainer's weights are fp32 masters
+    (COLOCATED_ROLLOUT + ["roles.actor_train.fsdp=true"], False),     # each rank holds a shard only
+])
+def test_native_rollout_samples_with_the_trainers_weights_only_where_they_are_the_synced_ones(overrides, shares):
+    """Sharing drops rollout's copy of the weights from its memory, keeps the trainer resident
+    during rollout (its parameters are being read) and says so in `hpcrl plan`."""
+    plan = compile_plan(load_job(TINY_JOB, overrides), load_profile())
+    assert plan.rollout_shares_weights == shares
+    infer = plan.roles["actor_infer"]
+    assert (dict(infer.memory.parts)["weights"] == 0) == shares
+    assert ("sampling with actor_train's own weights" in format_plan(plan)) == shares
+    if shares:
+        assert "actor_train" in plan.stages["rollout"].resident and "actor_train" not in plan.stages["rollout"].offload
+
+
 def test_json_shape():
     data = json.loads(json.dumps(compile_plan(load_job(TINY_JOB), load_profile()).to_json()))
-    assert set(data) == {"world_size", "nodes", "devices_per_node", "roles", "stages", "checkpoint"}
+    assert set(data) == {"world_size", "nodes", "devices_per_node", "roles", "stages", "checkpoint",
+                         "rollout_shares_weights"}
     assert data["checkpoint"]["window_s"] is None and data["checkpoint"]["bytes"] > 0, "a local profile has no warning"
     assert (data["world_size"], data["nodes"], data["devices_per_node"]) == (4, 1, 4)
     role = data["roles"]["actor_train"]

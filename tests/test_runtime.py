@@ -196,12 +196,38 @@ def _without_times(metrics: list[dict]) -> list[dict]:
              ("samples_per_s", "rollout_idle_frac", "train_idle_frac", "stage_moves")} for m in metrics]
 
 
+def test_rollout_on_the_trainers_own_weights_samples_and_trains_as_with_a_synced_copy(tmp_path):
+    """Native rollout on the trainer's ranks (fp32, synchronous) samples with the trainer's own
+    parameters: nothing is staged or pushed, the trainer stays resident through rollout, the old
+    log-probs are the rollout's (not recomputed), and the run matches the one with a synced copy:
+    the same samples and rewards, losses equal up to the recomputation's rounding."""
+    colocated = [*FAST, "--set", "train.steps=3", "--set", "checkpoint.every=0",
+                 "--set", "roles.actor_infer.colocate_with=actor_train", "--set", "roles.actor_infer.parallel.dp=2"]
+    runs = {}
+    for shared in (True, False):
+        run_dir = tmp_path / f"shared-{shared}"
+        result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *colocated,
+                       "--set", f"rollout.share_trainer_weights={str(shared).lower()}", timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[shared] = (json.loads((run_dir / "plan.json").read_text()), read_metrics(run_dir / "metrics.jsonl"))
+    (plan, shared), (copied_plan, copied) = runs[True], runs[False]
+    assert plan["rollout_shares_weights"] and not copied_plan["rollout_shares_weights"]
+    assert "actor_train" in plan["stages"]["rollout"]["resident"]
+    assert "actor_train" in copied_plan["stages"]["rollout"]["offload"]
+    assert all("rollout_logprob_gap_max" not in m for m in shared), "the old log-probs were not recomputed"
+    assert all(m["rollout_logprob_gap_max"] < 1e-5 for m in copied)
+    for m, c in zip(_without_times(shared), _without_times(copied)):
+        assert m["reward_mean"] == c["reward_mean"] and m["response_len"] == c["response_len"], m["step"]
+        for key in ("loss", "kl", "entropy"):
+            assert m[key] == pytest.approx(c[key], rel=1e-4, abs=1e-6), (m["step"], key)
+
+
 def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_bit_for_bit_the_same(tmp_path):
     """Trainer, reference and rollout on the same two CPU slots: entering each stage, the controller
     offloads what the plan offloads there and reloads what the stage needs, in the plan's stage
     order; the offloaded state really leaves (a separate host copy, its storage freed), and the run
     equals the same run with every role kept resident, metric for metric."""
-    colocated = [*FAST, "--set", "train.steps=3", "--set", "checkpoint.every=2",
+    colocated = [*FAST, "--set", "train.steps=3", "--set", "checkpoint.every=2", "--set", "rollout.share_trainer_weights=false",
                  "--set", "roles.actor_infer.colocate_with=actor_train", "--set", "roles.actor_infer.parallel.dp=2"]
     runs = {}
     for offload in (True, False):

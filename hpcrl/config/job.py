@@ -263,6 +263,11 @@ class RolloutConfig(Schema):
                                   "newer weights, which are pushed at once; its unfinished responses continue with "
                                   "them, each token keeping the version (and behaviour log-prob) that sampled it. "
                                   "false: new weights wait for the round's end")
+    share_trainer_weights: bool = Field(True, description="native rollout on the ranks of a torch (DDP) trainer, "
+                                        "in float32, with max_staleness 0: sample with the trainer's own parameters "
+                                        "(no copy, no weight sync; the trainer's state then stays resident while "
+                                        "rollout runs). false: rollout keeps a copy, loaded at every sync. Other "
+                                        "layouts always copy; `hpcrl plan` says which one a job gets")
 
 
 class CheckpointConfig(Schema):

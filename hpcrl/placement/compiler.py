@@ -239,6 +239,16 @@ def _check_tp_in_node(roles: dict[str, _Role], slots: dict[str, list[int]], per_
                     f"({how}); a TP group must stay inside one node: change tp or the placement")
 
 
+def _rollout_shares_weights(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[int]]) -> bool:
+    """Whether rollout samples with the trainer's own parameters (rollout.share_trainer_weights): the
+    native sampler on exactly the ranks of a DDP torch trainer, whose fp32 weights are the ones it
+    would be sent, and a synchronous pipeline, so that rollout never runs while they change."""
+    infer, train = roles["actor_infer"], roles["actor_train"]
+    return (job.rollout.share_trainer_weights and infer.engine == "native" and train.engine == "torch"
+            and not job.roles.actor_train.fsdp and job.model.dtype == "float32" and job.rollout.max_staleness == 0
+            and slots["actor_infer"] == slots["actor_train"])
+
+
 def _colocation_root(roles: dict[str, _Role], name: str) -> str:
     while roles[name].colocate_with is not None:
         name = roles[name].colocate_with
@@ -264,15 +274,17 @@ def _check_stage_conflicts(roles: dict[str, _Role], slots: dict[str, list[int]],
 
 
 def _stage_plans(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[int]],
-                 memory: dict[str, MemoryEstimate]) -> dict[str, StagePlan]:
+                 memory: dict[str, MemoryEstimate], shared_weights: bool) -> dict[str, StagePlan]:
     """Per stage: who is active, who is resident (plan.resident_roles over the stage's residency
     window) and who goes to host memory at its entry. A role moves only when it holds device memory
-    and its roles.<name>.offload allows it. A stage that moves nothing (async rollout and reward;
+    and its roles.<name>.offload allows it, and the trainer never when rollout samples with its weights
+    (`shared_weights`). A stage that moves nothing (async rollout and reward;
     scoring on the controller) takes the residency of the stages it follows: the union of theirs."""
     asynchronous = job.rollout.max_staleness > 0
     needs_room = {stage for name, role in roles.items() if memory[name].total > 0 for stage in role.stages}
     windows = residency_windows(asynchronous, needs_room)
-    facts = {name: (tuple(slots[name]), role.stages, getattr(job.roles, name).offload and memory[name].total > 0)
+    facts = {name: (tuple(slots[name]), role.stages, getattr(job.roles, name).offload and memory[name].total > 0
+                    and not (shared_weights and name == "actor_train"))
              for name, role in roles.items()}
     resident = {stage: resident_roles(window, facts) for stage, window in windows.items()}
     stages = {}
@@ -438,10 +450,12 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     _check_tp_in_node(roles, slots, per_node)
     _check_stage_conflicts(roles, slots, per_node)
 
-    memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb)
+    shared_weights = _rollout_shares_weights(job, roles, slots)
+    memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb,
+                                         shared_weights=shared_weights)
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)
-    stages = _check_memory(job, _stage_plans(job, roles, slots, memory), slots, memory, roles, profile)
+    stages = _check_memory(job, _stage_plans(job, roles, slots, memory, shared_weights), slots, memory, roles, profile)
     stages = _host_memory(job, stages, slots, memory, roles, shape, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})
@@ -464,6 +478,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     return Plan(world_size=1 + len(used), nodes=profile.nodes, devices_per_node=per_node, roles=role_plans,
                 stages=stages, job=job.name, cluster=profile.name, device=profile.device,
                 device_memory_gb=profile.device_memory_gb, node_memory_gb=profile.node_memory_gb,
+                rollout_shares_weights=shared_weights,
                 checkpoint=_checkpoint_estimate(job, profile, shape, role_plans))
 
 

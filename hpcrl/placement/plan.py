@@ -146,6 +146,7 @@ class Plan:
     device_memory_gb: float = 0.0
     checkpoint: CheckpointEstimate | None = None
     node_memory_gb: float | None = None      # host memory per node (slurm.mem), when the profile says
+    rollout_shares_weights: bool = False     # native rollout samples with the trainer's parameters (no sync)
 
     @property
     def used_slots(self) -> tuple[int, ...]:
@@ -185,7 +186,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         data = {"world_size": self.world_size, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
                 "roles": {name: role.to_json() for name, role in self.roles.items()},
-                "stages": {name: stage.to_json() for name, stage in self.stages.items()}}
+                "stages": {name: stage.to_json() for name, stage in self.stages.items()},
+                "rollout_shares_weights": self.rollout_shares_weights}
         if self.checkpoint is not None:
             data["checkpoint"] = {"bytes": self.checkpoint.bytes, "seconds": round(self.checkpoint.seconds, 3),
                                   "nodes": self.checkpoint.nodes, "window_s": self.checkpoint.window_s}

@@ -105,6 +105,8 @@ def format_plan(plan: Plan) -> str:
     for name, role in plan.roles.items():
         p = role.parallel
         colocated = f", colocated with {role.colocate_with}" if role.colocate_with else ""
+        if name == "actor_infer" and plan.rollout_shares_weights:
+            colocated += ", sampling with actor_train's own weights (no copy, no weight sync)"
         lines.append(f"  {name} ({role.engine}{colocated}): tp{p['tp']} pp{p['pp']} cp{p['cp']} ep{p['ep']} "
                      f"dp{p['dp']} on node{'s' if len(role.nodes) > 1 else ''} {role.node_range}, slots {_runs(role.slots)}, ranks {_runs(role.ranks)}; "
                      f"active in {', '.join(role.stages) or 'no stage'}")

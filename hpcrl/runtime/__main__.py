@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             stage = sync.sources.index(rank) if rank in sync.sources else None
             sources = [(s, None if src == rank else groups.sync[s], src) for s, src in enumerate(sync.sources)
                        ] if rank in sync.loaders else []
-            for name in layout.roles_on(rank):
+            # the trainer first: a rollout that samples with its weights takes them from it
+            for name in sorted(layout.roles_on(rank), key=lambda role: role != "actor_train"):
                 replica = layout.roles[name].replica_of(rank)
                 ctx = RoleContext(job, tokenizer, weights, groups.dp.get(name), groups.dp_index[name], peers, device,
                                   groups.megatron.get(name), replica[0] == rank,
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                                   sync_stage=stage if name == "actor_train" else None,
                                   sync_send_group=groups.sync.get(stage) if name == "actor_train" else None,
                                   sync_sources=sources if name == "actor_infer" else [],
-                                  sync_loaders=tuple(sync.loaders), sync_direct=direct)
+                                  sync_loaders=tuple(sync.loaders), sync_direct=direct,
+                                  shared_weights=layout.shared_weights)
                 peers[name] = ROLE_CLASSES[name](ctx)
                 if name in layout.movable:   # the controller brings it back for its first stage
                     peers[name].offload()

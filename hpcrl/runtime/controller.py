@@ -108,6 +108,7 @@ class Controller:
         self.servers = WorkerGroup("actor_train", [src for stage, src in enumerate(sync.sources)
                                                    if len(sync.members(stage)) > 1], tag=TAG_SYNC)
         self.loaders = WorkerGroup("actor_infer", sync.loaders)
+        self.shared_weights = layout.shared_weights
         trainer = layout.roles["actor_train"]
         self.trainer_replicas = [trainer.stage_leaders(d) for d in range(trainer.dp_size)]  # their stage leaders
         train_prompts, eval_prompts = self._prompts()
@@ -218,15 +219,18 @@ class Controller:
         versions = np.concatenate([v for g in groups for v in g.token_versions])
         rewards = np.concatenate([g.rewards for g in groups])
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
+        # Sampled with the trainer's own parameters (and model code) at this version, the behaviour
+        # log-probs are the old policy's: recomputing them would give the same numbers.
+        recompute = not (self.shared_weights and (versions == step - 1).all())
         started = time.perf_counter()
         self.train_busy.start()
         self.residency.enter("logprobs")
-        pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, sequences)]
+        pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, sequences)] if recompute else []
         if "reference" in self.groups:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
         if "critic" in self.groups:
             pending.append(self.groups["critic"].call("values", Dispatch.DP_SPLIT, sequences))
-        columns: dict[str, Ragged] = {}
+        columns: dict[str, Ragged] = {} if recompute else {"old_logprobs": behaviour}
         for result in wait(*pending):
             columns.update(result)
         self._add_time("logprobs", time.perf_counter() - started)
@@ -260,13 +264,13 @@ class Controller:
             "kl_in_reward_coef": self.kl_in_reward_coef,
             "sequence_kl": found.sequence_kl,
             "response_len": float(lengths.mean()),
-            # Fresh tokens were sampled by the weights the trainer holds: their log-probs must agree.
-            "rollout_logprob_gap_max": float(np.abs(old.values - behaviour.values)[fresh].max(initial=0.0)),
             "samples": float(len(rewards)),
             "lr": lr,
             **stats,
             **domain_metrics(groups),
         })
+        if recompute:   # fresh tokens were sampled by the weights the trainer holds: their log-probs must agree
+            metrics["rollout_logprob_gap_max"] = float(np.abs(old.values - behaviour.values)[fresh].max(initial=0.0))
         if algo.kl_in_reward.target is not None:
             self.kl_in_reward_coef = adaptive_kl_coef(self.kl_in_reward_coef, found.sequence_kl,
                                                       algo.kl_in_reward.target, len(rewards),

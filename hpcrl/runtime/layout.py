@@ -103,6 +103,7 @@ class WorldLayout:
     roles: dict[str, RoleLayout]
     local_device: dict[int, int]   # worker rank -> device index on its node (the GPU it drives)
     residency: dict[str, tuple[str, ...]] = field(default_factory=dict)  # plan.residency: stage -> resident roles
+    shared_weights: bool = False   # plan.rollout_shares_weights: rollout samples with the trainer's parameters
 
     @property
     def movable(self) -> set[str]:
@@ -115,6 +116,10 @@ class WorldLayout:
 
     @property
     def sync(self) -> SyncLayout:
+        """Who sends and who loads at a weight sync: nobody when rollout samples with the trainer's
+        own parameters (they are the synced weights already)."""
+        if self.shared_weights:
+            return SyncLayout([], [])
         return SyncLayout(self.roles["actor_train"].stage_leaders(0), self.roles["actor_infer"].weight_loaders)
 
 
@@ -123,4 +128,4 @@ def world_layout(plan: Plan) -> WorldLayout:
                               role.engine, dict(role.parallel))
              for name, role in plan.roles.items()}
     local_device = {rank: plan.slot_of_rank(rank) % plan.devices_per_node for rank in range(1, plan.world_size)}
-    return WorldLayout(plan.world_size, roles, local_device, plan.residency)
+    return WorldLayout(plan.world_size, roles, local_device, plan.residency, plan.rollout_shares_weights)

@@ -49,6 +49,7 @@ class RoleContext:
     sync_sources: list[tuple[int, dist.ProcessGroup | None, int]] = field(default_factory=list)  # (stage, group, src)
     sync_loaders: tuple[int, ...] = ()   # every rank that loads weights, in the sync groups' order
     sync_direct: bool = False            # vLLM on GPUs of its own: its TP workers receive over NCCL
+    shared_weights: bool = False         # native rollout samples with this rank's actor_train parameters
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
@@ -205,9 +206,12 @@ class ActorInfer(Resident):
         self.model = None
         self.engine = None
         if name == "native":
-            self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
+            if ctx.shared_weights:   # the plan checked that they are the weights a sync would send
+                self.model = ctx.peers["actor_train"].trainer.module
+            else:
+                self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
             self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s(),
-                                        job.rollout.max_num_seqs)
+                                        job.rollout.max_num_seqs, owns_weights=not ctx.shared_weights)
         elif ctx.replica_leader:
             self.engine = generation_engine(name)(ctx.model_files.path, DTYPES[job.model.dtype],
                                                   tokenizer.eos_token_id, job.seed,
