@@ -13,6 +13,7 @@ wall time of the whole process, start-up (process start to the first step's star
 reward (mean reward of the last 10% of the steps, at least 10); then hpcrl's ratio to TRL.
 
     .venv/bin/python bench/vs_trl.py [--job jobs/tiny_grpo.yaml] [--steps 200] [--repeats 2] [--seed 1]
+                                     [--layout colocated|job]
     .venv/bin/python bench/vs_trl.py --job jobs/tiny_longtail.yaml --steps 100     # the long-tail variant
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ from statistics import fmean
 from tiny_runs import run_job
 
 STEADY_AFTER = 5   # RL steps left out of samples/s (warm-up), as bench/tiny_runs.py does
+# hpcrl's layouts of the job's roles on one machine: the job's own (a rollout rank beside the
+# trainer's), or rollout in the trainer's processes, sampling with its weights (no weight sync)
+LAYOUTS = {"job": [], "colocated": ["roles.actor_infer.colocate_with=actor_train", "roles.actor_infer.parallel.dp=2"]}
 
 
 def trl_run(job_path: str, steps: int, seed: int, out: Path) -> dict[str, float]:
@@ -47,12 +51,12 @@ def trl_run(job_path: str, steps: int, seed: int, out: Path) -> dict[str, float]
             "start-up s": record["train_begin"] - started, "wall s": wall}
 
 
-def hpcrl_run(job_path: str, steps: int, seed: int, run_dir: Path) -> dict[str, float]:
+def hpcrl_run(job_path: str, steps: int, seed: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
     """hpcrl as a user runs it; start-up: the wall time outside the steps (launch to the first step,
     and the exit after the last, which is well under a second)."""
     from hpcrl.metrics import read_metrics
 
-    summary = run_job(job_path, steps, seed, [], run_dir)
+    summary = run_job(job_path, steps, seed, overrides, run_dir)
     inside = sum(r["time_step_s"] for r in read_metrics(run_dir / "metrics.jsonl"))
     return {"samples/s": summary["samples/s"], "final reward": summary["final reward"],
             "start-up s": summary["wall s"] - inside, "wall s": summary["wall s"]}
@@ -122,6 +126,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--layout", choices=LAYOUTS, default="colocated",
+                        help="hpcrl's placement of the roles (the model, data and algorithm stay the job's)")
     parser.add_argument("--trl-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_child:
@@ -131,9 +137,11 @@ def main() -> int:
     results: dict[str, list[dict[str, float]]] = {"hpcrl": [], "TRL": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            results["hpcrl"].append(hpcrl_run(args.job, args.steps, args.seed, Path(tmp) / f"hpcrl-{repeat}"))
+            results["hpcrl"].append(hpcrl_run(args.job, args.steps, args.seed, LAYOUTS[args.layout],
+                                              Path(tmp) / f"hpcrl-{repeat}"))
             results["TRL"].append(trl_run(args.job, args.steps, args.seed, Path(tmp) / f"trl-{repeat}.json"))
-    print(f"{args.job}, {args.steps} steps, seed {args.seed}, {args.repeats} interleaved repetitions (means)")
+    print(f"{args.job}, {args.steps} steps, seed {args.seed}, {args.repeats} interleaved repetitions (means); "
+          f"hpcrl layout: {args.layout}")
     print(f"{'':<14}{'hpcrl':>10}{'TRL':>10}{'hpcrl/TRL':>11}")
     for key in results["hpcrl"][0]:
         ours, theirs = (fmean(r[key] for r in results[name]) for name in ("hpcrl", "TRL"))
