@@ -222,3 +222,10 @@ def wait_job(job_id: str, slurm_env: dict[str, str], timeout: float = 30,
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
     states = [(j.get("JobId"), j.get("ArrayTaskId"), j.get("JobState"), j.get("Reason")) for j in info]
     raise TimeoutError(f"job {job_id} not finished after {timeout}s: {states}\nslurmctld.log:\n{tail}")
+
+
+def job_output_lines(text: str) -> list[str]:
+    """A batch job's output lines without slurmstepd's notices. slurmstepd writes those into the
+    same file at its own offset, so one may land inside a line of the job's own output (seen:
+    "requeued=Trueslurmstepd-vm: error: *** JOB ... REQUEUE ***")."""
+    return [line for line in re.sub(r"slurmstepd[^\n]*", "", text).splitlines() if line.strip()]

@@ -4,13 +4,12 @@ Separate from test_checkpoint.py because starting the cluster takes a while (ski
 """
 from __future__ import annotations
 
-import re
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-from slurm_cluster import sbatch, slurm_cmd, slurm_env, wait_job  # noqa: F401
+from slurm_cluster import job_output_lines, sbatch, slurm_cmd, slurm_env, wait_job  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,8 +56,6 @@ def test_sigusr1_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
     (info,) = wait_job(job, slurm_env, timeout=60)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text)
-    # slurmstepd writes its requeue notice into the same file, at its own offset: it may land inside
-    # one of the job's lines (seen: "requeued=Trueslurmstepd-vm: error: *** JOB ... REQUEUE ***")
-    lines = [ln for ln in re.sub(r"slurmstepd[^\n]*", "", text).splitlines() if ln.strip()]
+    lines = job_output_lines(text)
     assert lines[:2] == ["restart=0 checkpointed on SIGUSR1", "requeued=True"], text
     assert lines[-1].startswith("restart=1 resumed at step ") and lines[-1].endswith("(SIGUSR1)"), text

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import job_info, sbatch, slurm_cmd, slurm_env, wait_job  # noqa: F401
+from slurm_cluster import job_info, job_output_lines, sbatch, slurm_cmd, slurm_env, wait_job  # noqa: F401
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -99,8 +99,7 @@ def test_requeue_after_usr1_resumes_with_restart_count(slurm_env, tmp_path):
     assert (tmp_path / "marker").read_text().strip() == "checkpoint at restart=0"
     # `scontrol requeue` ends the running script itself (slurmstepd logs "CANCELLED ... DUE TO
     # JOB REQUEUE" and sends SIGTERM): whatever the job must save has to be saved before it.
-    lines = [ln for ln in out.read_text().splitlines()
-             if not ln.startswith("slurmstepd") and ln != "requeued"]
+    lines = [ln for ln in job_output_lines(out.read_text()) if ln != "requeued"]
     assert lines == ["start restart=0", "start restart=1",
                      "resumed from: checkpoint at restart=0"], out.read_text()
 
