@@ -153,6 +153,7 @@ class NativeSampler:
         self.model.train(training)
         return run.generation()
 
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 

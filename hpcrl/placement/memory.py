@@ -47,7 +47,8 @@ shards = tp*pp.
   Forward-only roles (reference) keep the logits and one layer's
   activations of a micro-batch.
 - reference: weights bS / tp (/ dp with fsdp or ZeRO-3, plus the units gathered for compute).
-- actor_infer: weights b*P / (tp*pp) (none when it samples with the trainer's) plus the KV cache of one rollout batch held at once:
+- actor_infer: weights b*P / (tp*pp) (none when it samples with the trainer's) plus the KV cache
+  of one rollout batch held at once:
   2 (K and V) * ceil(layers/pp) * ceil(kv_heads/tp) * head_dim * b * seqs * seq_len, where
   seqs = ceil(train.prompts_per_step * algorithm.group_size / dp) (the sequences of a step that one
   replica generates concurrently) and seq_len = model.max_position_embeddings (the context cap: prompt
@@ -322,7 +323,8 @@ def estimate_role_memory(role: str, job: JobConfig, shape: ModelShape, parallel:
         return MemoryEstimate(params=0)
     params = count_parameters(shape, head="value" if role == "critic" else "lm")
     if role in GENERATION_ROLES:
-        weights = 0 if shared_weights else math.ceil(params * DTYPE_BYTES[job.model.dtype] / (parallel.tp * parallel.pp))
+        weights = 0 if shared_weights else math.ceil(params * DTYPE_BYTES[job.model.dtype]
+                                                     / (parallel.tp * parallel.pp))
         parts = [("weights", weights), ("KV cache", kv_cache_bytes(job, shape, parallel))]
         if job.engine(role) == "vllm" and device_memory_gb is not None:
             pool = int(job.rollout.gpu_memory_utilization * device_memory_gb * GIB)

@@ -219,9 +219,10 @@ class Controller:
         versions = np.concatenate([v for g in groups for v in g.token_versions])
         rewards = np.concatenate([g.rewards for g in groups])
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
+        fresh = versions == step - 1   # sampled by the weights the trainer holds
         # Sampled with the trainer's own parameters (and model code) at this version, the behaviour
         # log-probs are the old policy's: recomputing them would give the same numbers.
-        recompute = not (self.shared_weights and (versions == step - 1).all())
+        recompute = not (self.shared_weights and fresh.all())
         started = time.perf_counter()
         self.train_busy.start()
         self.residency.enter("logprobs")
@@ -241,7 +242,6 @@ class Controller:
         # Tokens sampled by older weights are corrected (each by its own version's log-prob, when a
         # partial rollout's response spans versions); fresh ones too under mismatch correction.
         corrected = np.ones_like(versions, bool) if self.job.corrects_mismatch() else versions < step - 1
-        fresh = versions == step - 1
         train_batch.update(off_policy_columns(self.job.rollout, old, behaviour, corrected))
         if "importance_weights" in train_batch:
             metrics["is_weight_mean"] = float(train_batch["importance_weights"].values.mean())

@@ -46,6 +46,7 @@ class RankInfo:
 
 DUMP_PROBE_S = 0.05   # how often a worker looks for the controller's request of its stacks
 
+
 class Heartbeat:
     """A worker's thread: a heartbeat every `interval_s`, and a stack dump when the controller asks."""
 
