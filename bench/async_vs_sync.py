@@ -7,9 +7,12 @@ ranks, and the final reward: the mean reward of the last 10% of the steps, avera
 One RL run is one random trajectory: a single seed, or a 10-step window, says little about a
 difference of a few hundredths.
 
-`--long-tail`: jobs/tiny_longtail.yaml (answers of 1 to 64 tokens, long-tailed), K=1, 200 steps:
-with partial rollout a round hands its batch to training as soon as the batch's last response ends,
+`--long-tail`: jobs/tiny_longtail.yaml (answers of 1 to 64 tokens, long-tailed), K=1, 200 steps,
+and a third run first: K=0 with `rollout.batching: lockstep` (every row of a round decodes until the
+round's longest ends, as Hugging Face generate does), the baseline of continuous batching. With
+partial rollout a K=1 round hands its batch to training as soon as the batch's last response ends,
 its free slots start the next batch, and new weights interrupt it (rollout.partial_rollout).
+Printed ratios: continuous batching over lock-step (both K=0), and K over K=0.
 
     .venv/bin/python bench/async_vs_sync.py [--steps 700] [--seeds 1 2 3 4] [--staleness 2] [--set KEY=VALUE ...]
     .venv/bin/python bench/async_vs_sync.py --long-tail [--seeds 1 2]
@@ -27,10 +30,6 @@ from statistics import fmean
 from tiny_runs import run_job
 
 
-def run(job: str, staleness: int, steps: int, seed: int, overrides: list[str], run_dir: Path) -> dict[str, float]:
-    return run_job(job, steps, seed, [f"rollout.max_staleness={staleness}", *overrides], run_dir)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", default=None, help="default: jobs/tiny_grpo.yaml (--long-tail: jobs/tiny_longtail.yaml)")
@@ -44,20 +43,27 @@ def main() -> int:
     args.job = args.job or ("jobs/tiny_longtail.yaml" if args.long_tail else "jobs/tiny_grpo.yaml")
     args.steps = args.steps or (200 if args.long_tail else 700)
     k_async = args.staleness if args.staleness is not None else (1 if args.long_tail else 2)
-    per_seed: dict[int, list[dict[str, float]]] = {0: [], k_async: []}
+    variants = {"K=0 (sync)": ["rollout.max_staleness=0"], f"K={k_async} (async)": [f"rollout.max_staleness={k_async}"]}
+    if args.long_tail:
+        variants = {"K=0 lock-step": ["rollout.max_staleness=0", "rollout.batching=lockstep"], **variants}
+    per_seed: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            for k in per_seed:
-                per_seed[k].append(run(args.job, k, args.steps, seed, args.overrides, Path(tmp) / f"k{k}-s{seed}"))
-    results = {k: {key: fmean(r[key] for r in runs) for key in runs[0]} for k, runs in per_seed.items()}
+            for index, (name, sets) in enumerate(variants.items()):
+                per_seed[name].append(run_job(args.job, args.steps, seed, [*sets, *args.overrides],
+                                              Path(tmp) / f"v{index}-s{seed}"))
+    results = {name: {key: fmean(r[key] for r in runs) for key in runs[0]} for name, runs in per_seed.items()}
+    names = list(variants)
+    ratios = [("async/sync", names[-1], names[-2])] + ([("sync/lock-step", names[1], names[0])] if args.long_tail else [])
     print(f"{args.job}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))} (means over the seeds)")
-    print(f"{'':<15}{'K=0 (sync)':>12}{f'K={k_async} (async)':>13}{'ratio':>8}")
-    for key in results[0]:
-        sync, asyn = results[0][key], results[k_async][key]
-        ratio = f"{asyn / sync:.2f}" if sync else "-"
-        print(f"{key:<15}{sync:>12.3f}{asyn:>13.3f}{ratio:>8}")
-    for k, runs in per_seed.items():
-        print(f"final reward per seed, K={k}: " + ", ".join(f"{r['final reward']:.3f}" for r in runs))
+    print(f"{'':<15}" + "".join(f"{name:>16}" for name in names) + "".join(f"{label:>16}" for label, _, _ in ratios))
+    for key in results[names[0]]:
+        cells = "".join(f"{results[name][key]:>16.3f}" for name in names)
+        cells += "".join(f"{results[a][key] / results[b][key]:>16.2f}" if results[b][key] else f"{'-':>16}"
+                         for _, a, b in ratios)
+        print(f"{key:<15}{cells}")
+    for name, runs in per_seed.items():
+        print(f"final reward per seed, {name}: " + ", ".join(f"{r['final reward']:.3f}" for r in runs))
     return 0
 
 

@@ -168,6 +168,8 @@ def test_each_preset_puts_its_kl_in_one_place_and_only_with_a_reference(tmp_path
     (["algorithm.kl_coef=0.1"], "algorithm: kl_coef: the KL now goes in one of two places"),
     (["algorithm.dual_clip_c=1"], "dual_clip_c: 1.0 must exceed 1"),
     (["algorithm.name=grpo", "roles.critic.engine=torch"], "roles.critic: only algorithm.advantage gae uses a critic"),
+    (["rollout.batching=lockstep", "roles.actor_infer.engine=vllm"],
+     "rollout.batching: lockstep is the native sampler's baseline mode, and roles.actor_infer.engine is 'vllm'"),
 ])
 def test_an_option_that_does_not_apply_is_refused_by_key(tmp_path, overrides, message):
     assert message in error_of(write(tmp_path, GOOD), overrides)

@@ -75,7 +75,8 @@ def test_sampling_is_reproducible_from_the_generator_seed():
 def test_continuous_batching_samples_what_each_prompt_alone_would():
     """Rows leave the batch as they finish and waiting prompts take their slots; every row samples
     from draws of its own seed, so with the same seeds the tokens and log-probs are those of each prompt
-    generated alone, for any number of slots."""
+    generated alone, for any number of slots, and in lock-step (which decodes every row of a batch
+    until the batch's longest has ended: more work for the same tokens)."""
     _, tokenizer, model = tiny()
     prompts = rows([tokenizer.encode(f"{a}+{b}=") for a, b in [(1, 2), (34, 5), (6, 78), (9, 0), (12, 3)] * 3])
     seeds = np.arange(len(prompts)) * 101 + 7
@@ -84,13 +85,26 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
         prompts.take(np.array([i])), params, torch.Generator(), seeds=seeds[i:i + 1]) for i in range(len(prompts))]
     lengths = {len(a.response_ids[0]) for a in alone}
     assert len(lengths) > 2, "the responses end at different lengths (else no row would leave early)"
-    for slots in (None, 4, 1):
-        sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=slots)
+    decoded = []   # rows of each one-token forward (the decoding steps; prefills take whole prompts)
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: decoded.append(len(kwargs["input_ids"])) if kwargs["input_ids"].shape[1] == 1 else None,
+        with_kwargs=True)
+    for slots, lockstep in [(None, False), (4, False), (1, False), (None, True), (4, True)]:
+        decoded.clear()
+        sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=slots,
+                                lockstep=lockstep)
         out = sampler.generate(prompts, params, torch.Generator(), seeds=seeds)
         assert out.response_ids.tolist() == [a.response_ids[0].tolist() for a in alone], slots
         for row, a in zip(out.logprobs, alone):
             assert np.allclose(row, a.logprobs[0], atol=1e-5)
         assert out.finished.all()
+        lengths = out.response_ids.lengths
+        if not lockstep:   # a row is fed each of its tokens but its last, and nothing after it
+            assert sum(decoded) == lengths.sum() - len(lengths), slots
+        else:              # every row of a batch (prompts in order) is fed until the batch's longest ends
+            batches = np.array_split(lengths, np.arange(slots or len(lengths), len(lengths), slots or len(lengths)))
+            assert sum(decoded) == sum(len(b) * (b.max() - 1) for b in batches), slots
+    hook.remove()
 
 
 def test_counter_based_draws_follow_the_distribution_and_never_pick_a_masked_token():

@@ -235,6 +235,12 @@ class RolloutConfig(Schema):
     max_num_seqs: PositiveInt | None = Field(None, description="sequences a rollout replica decodes at once "
                                              "(continuous batching: a finished one leaves, a waiting one joins); "
                                              "unset: all of a round's")
+    batching: Literal["continuous", "lockstep"] = Field(
+        "continuous", description="native engine: continuous (a finished sequence leaves the batch at once, a "
+                                  "waiting prompt takes its slot) or lockstep (Hugging Face generate's static "
+                                  "batching: every sequence of a batch decodes until its longest is done, and "
+                                  "new prompts join only an empty batch), the baseline of bench/async_vs_sync.py "
+                                  "--long-tail. vLLM always batches continuously")
     is_correction: Literal["ppo", "tis", "mis", "seq-tis"] = Field(
         "ppo", description="stale samples (and fresh ones under mismatch_correction): ppo takes the loss's ratio against the behaviour policy, so the clip "
                            "bounds the whole move from the policy that sampled; tis, mis and seq-tis take the ratio "
@@ -438,6 +444,10 @@ class JobConfig(Schema):
                                      "reference policy, and the job has no roles.reference; add one (e.g. {engine: "
                                      "torch, colocate_with: actor_train}) or set the coef to 0")
         rollout = self.rollout
+        if rollout.batching == "lockstep" and self.engine("actor_infer") != "native":
+            raise ValueError(f"rollout.batching: lockstep is the native sampler's baseline mode, and roles.actor_infer"
+                             f".engine is {self.engine('actor_infer')!r}, which always batches continuously; remove "
+                             "rollout.batching or use engine: native")
         filtered = rollout.top_p < 1 or rollout.top_k > 0
         if self.engine("actor_infer") == "vllm" and filtered and rollout.temperature != 1:
             raise ValueError(f"rollout.top_p/top_k with rollout.temperature {rollout.temperature} and engine vllm: "

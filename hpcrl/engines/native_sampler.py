@@ -59,13 +59,15 @@ class Generation:
 
 class NativeSampler:
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0,
-                 max_seqs: int | None = None, owns_weights: bool = True):
+                 max_seqs: int | None = None, owns_weights: bool = True, lockstep: bool = False):
         """`max_seqs`: sequences decoding at once (rollout.max_num_seqs; None: every prompt of a call);
+        `lockstep`: static batching (rollout.batching), the baseline continuous batching is measured against;
         `step_delay_s`: a pause after every decoding step, for tests of long rounds only;
         `owns_weights`: false when `model` is a trainer's, which sleep and wake leave where it is."""
         self.model = model
         self.owns_weights = owns_weights
         self.max_seqs = max_seqs
+        self.lockstep = lockstep
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.step_delay_s = step_delay_s
@@ -133,7 +135,9 @@ class NativeSampler:
         the batch at once and a waiting prompt takes its place (after its own prefill), so a long
         response never keeps the short ones' slots busy. Every sequence draws from uniforms of
         its own seed (`seeds[i]`, else drawn from `generator`) and token index, so its tokens do not
-        depend on which others share its batch, while the batch samples in one call."""
+        depend on which others share its batch, while the batch samples in one call. Lock-step
+        gives the same tokens, later: finished rows keep decoding (their tokens dropped) until the
+        batch's last one ends, and only then do waiting prompts join."""
         count = len(prompts)
         if not count:
             return Generation.empty(0)
@@ -205,7 +209,7 @@ class _Decoding:
     def admit(self) -> None:
         """Prefill waiting prompts into the free slots and add them to the decoding batch."""
         free = (self.sampler.max_seqs or len(self.prompts)) - len(self.active)
-        if free <= 0 or not self.waiting:
+        if free <= 0 or not self.waiting or (self.sampler.lockstep and len(self.active)):
             return
         rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
         ids, mask = (t.to(self.device) for t in left_pad(self.prompts.take(rows), self.sampler.pad_id))
@@ -221,7 +225,8 @@ class _Decoding:
         self.active = np.concatenate([self.active, rows])
 
     def step(self) -> None:
-        """Sample a token for every decoding sequence; finished ones leave; the rest advance one position."""
+        """Sample a token for every sequence in the batch and keep those of the unfinished ones; finished
+        ones leave (lock-step: all together, once the last has finished); the rest advance one position."""
         params = self.params
         logits = self.logits.float() / params.temperature
         full_logp = torch.log_softmax(logits, dim=-1)
@@ -232,15 +237,19 @@ class _Decoding:
             chosen = _inverse_cdf(probs, _uniforms(self.seeds[self.active], self.lengths[self.active]))
         picked = full_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).cpu().numpy()
         tokens = chosen.cpu().numpy()
-        rows, position = self.active, self.lengths[self.active]
-        self.tokens[rows, position] = tokens
-        self.logprobs[rows, position] = picked
+        live = ~self.finished[self.active]   # all of them, except in lock-step
+        rows = self.active[live]
+        position = self.lengths[rows]
+        self.tokens[rows, position] = tokens[live]
+        self.logprobs[rows, position] = picked[live]
         self.lengths[rows] += 1
-        done = (tokens == self.sampler.eos_id) | (self.lengths[rows] >= self.budgets[rows])
-        self.finished[rows] = done
+        self.finished[rows] = (tokens[live] == self.sampler.eos_id) | (self.lengths[rows] >= self.budgets[rows])
+        done = self.finished[self.active]
+        if self.sampler.lockstep:
+            done = np.full(len(done), done.all())
         if done.any():
             keep = np.flatnonzero(~done)
-            self.active = rows[keep]
+            self.active = self.active[keep]
             if not len(keep):
                 self.cache = self.mask = self.logits = self.next_position = None
                 return

@@ -211,7 +211,8 @@ class ActorInfer(Resident):
             else:
                 self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
             self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s(),
-                                        job.rollout.max_num_seqs, owns_weights=not ctx.shared_weights)
+                                        job.rollout.max_num_seqs, owns_weights=not ctx.shared_weights,
+                                        lockstep=job.rollout.batching == "lockstep")
         elif ctx.replica_leader:
             self.engine = generation_engine(name)(ctx.model_files.path, DTYPES[job.model.dtype],
                                                   tokenizer.eos_token_id, job.seed,
