@@ -1,8 +1,7 @@
 """Reward functions by the name a job gives them (`datasets[].reward`), or a user's by dotted path."""
 from __future__ import annotations
 
-import importlib
-
+from hpcrl.plugins import import_function
 from hpcrl.rewards.base import RewardFunction
 from hpcrl.rewards.code import code_reward
 from hpcrl.rewards.judge import judge_reward
@@ -28,12 +27,4 @@ def reward_function(name: str) -> RewardFunction:
     if ":" not in name:
         raise ValueError(f"unknown reward {name!r}: use one of {', '.join(REWARDS)}, or package.module:function "
                          "for your own")
-    module, _, attribute = name.partition(":")
-    try:
-        function = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward {name!r}: cannot import it ({exc}); the module must be importable on every "
-                         "rank (installed, or on PYTHONPATH)") from None
-    if not callable(function):
-        raise ValueError(f"reward {name!r} is not a function")
-    return function
+    return import_function(name, f"reward {name!r}", "every rank that scores")
