@@ -44,3 +44,30 @@ def gym_frozenlake() -> TextEnv:
     actions = {"L": 0, "D": 1, "R": 2, "U": 3}
     return GymTextEnv(gymnasium.make("FrozenLake-v1", is_slippery=False), render=lambda s: f"{s // 4} {s % 4}",
                       parse=lambda text: actions.get(text.strip().upper()[:1]), action_format="L, D, R or U")
+
+
+class Paced(TextEnv):
+    """An episode of `length` steps whose every step takes `seed % 10 * delay_s` seconds; seed 98
+    raises at its first step, seed 99 hangs. Reward 1 at the end; observations count the steps."""
+
+    system_prompt = "go"
+    alphabet = "0123456789 step"
+
+    def __init__(self, length: int = 3, delay_s: float = 0.05) -> None:
+        self.length, self.delay_s, self.seed, self.steps = length, delay_s, 0, 0
+
+    def reset(self, seed: int) -> str:
+        self.seed, self.steps = seed, 0
+        return "0"
+
+    def step(self, action: str) -> StepResult:
+        if self.seed == 98:
+            raise RuntimeError("broken on purpose")
+        time.sleep(3600 if self.seed == 99 else self.seed % 10 * self.delay_s)
+        self.steps += 1
+        done = self.steps >= self.length
+        return StepResult(f"step {self.steps}", float(done), done, {"success": done})
+
+
+def paced(**options) -> TextEnv:
+    return Paced(**options)

@@ -146,16 +146,20 @@ class NativeSampler:
         budgets = np.asarray(budgets if budgets is not None else np.full(count, params.max_new_tokens))
         if seeds is None:
             seeds = torch.randint(0, 2 ** 62, (count,), generator=generator).numpy()
-        run = _Decoding(self, prompts, params, budgets, seeds)
-        while run.waiting or len(run.active):
+        run = self.decoding(params, int(budgets.max(initial=0)))
+        run.add(list(prompts), budgets, seeds)
+        while run.busy:
             if stop is not None and stop(run.finished):
                 break
-            run.admit()
-            run.step()
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
+            run.advance()
         self.model.train(training)
         return run.generation()
+
+    def decoding(self, params: SamplingParams, width: int) -> Decoding:
+        """An open batch that takes requests while it decodes (multi-turn rollout adds each turn as
+        its environment answers); `width`: the most tokens a request may generate. The caller
+        puts the model in eval mode."""
+        return Decoding(self, params, width)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -188,23 +192,62 @@ def _cache_of(out) -> tuple[str, object]:
     return ("cache", out.cache) if hasattr(out, "cache") else ("past_key_values", out.past_key_values)
 
 
-class _Decoding:
-    """One `generate` call's sequences: waiting, decoding together in one cache, or done."""
+class Decoding:
+    """Sequences waiting, decoding together in one cache, or done; a request is a row, added at any
+    time with `add` (each row's tokens and log-probs are kept in a [rows, width] array)."""
 
-    def __init__(self, sampler: NativeSampler, prompts: Ragged, params: SamplingParams, budgets: np.ndarray,
-                 seeds: np.ndarray):
-        self.sampler, self.prompts, self.params, self.budgets = sampler, prompts, params, budgets
+    def __init__(self, sampler: NativeSampler, params: SamplingParams, width: int):
+        self.sampler, self.params, self.width = sampler, params, width
         self.device = next(sampler.model.parameters()).device
-        self.seeds = np.asarray(seeds).astype(np.uint64)
-        width = int(budgets.max(initial=0))
-        self.tokens = np.zeros((len(prompts), width), np.int32)
-        self.logprobs = np.zeros((len(prompts), width), np.float32)
-        self.lengths = np.zeros(len(prompts), np.int64)
-        self.finished = budgets <= 0
-        self.waiting = collections.deque(np.flatnonzero(~self.finished).tolist())
+        self.prompts: list[np.ndarray] = []
+        self.budgets = np.zeros(0, np.int64)
+        self.seeds = np.zeros(0, np.uint64)
+        self.tokens = np.zeros((0, width), np.int32)
+        self.logprobs = np.zeros((0, width), np.float32)
+        self.lengths = np.zeros(0, np.int64)
+        self.finished = np.zeros(0, bool)
+        self.waiting: collections.deque[int] = collections.deque()
         self.active = np.zeros(0, np.int64)   # rows of the cache, in order
         self.cache, self.mask, self.logits, self.next_position = None, None, None, None
         self.cache_key = "past_key_values"
+
+    def add(self, prompts: list[np.ndarray], budgets: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """Queue requests (prompt ids, the most tokens each may generate, its sampling seed);
+        returns their rows. A request with no budget is finished at once."""
+        budgets = np.asarray(budgets, np.int64)
+        if len(budgets) and budgets.max() > self.width:
+            raise ValueError(f"a request's budget {budgets.max()} exceeds the batch's width {self.width}")
+        first, count = len(self.prompts), len(prompts)
+        self.prompts.extend(prompts)
+        self.budgets = np.concatenate([self.budgets, budgets])
+        self.seeds = np.concatenate([self.seeds, np.asarray(seeds).astype(np.uint64)])
+        self.tokens = np.concatenate([self.tokens, np.zeros((count, self.width), np.int32)])
+        self.logprobs = np.concatenate([self.logprobs, np.zeros((count, self.width), np.float32)])
+        self.lengths = np.concatenate([self.lengths, np.zeros(count, np.int64)])
+        self.finished = np.concatenate([self.finished, budgets <= 0])
+        rows = np.arange(first, first + count)
+        self.waiting.extend(rows[budgets > 0].tolist())
+        return rows
+
+    def abort(self, rows: np.ndarray) -> None:
+        """Drop requests: waiting ones leave the queue, decoding ones the batch at the next token."""
+        self.finished[rows] = True
+        dropped = set(rows.tolist())
+        self.waiting = collections.deque(r for r in self.waiting if r not in dropped)
+
+    @property
+    def busy(self) -> bool:
+        """Requests are waiting or decoding."""
+        return bool(self.waiting) or bool(len(self.active))
+
+    @torch.no_grad()
+    def advance(self) -> np.ndarray:
+        """Admit waiting requests, decode one token; returns the rows that ended with it."""
+        self.admit()
+        ended = self.step()
+        if self.sampler.step_delay_s:
+            time.sleep(self.sampler.step_delay_s)
+        return ended
 
     def admit(self) -> None:
         """Prefill waiting prompts into the free slots and add them to the decoding batch."""
@@ -212,7 +255,8 @@ class _Decoding:
         if free <= 0 or not self.waiting or (self.sampler.lockstep and len(self.active)):
             return
         rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
-        ids, mask = (t.to(self.device) for t in left_pad(self.prompts.take(rows), self.sampler.pad_id))
+        prompts = Ragged.from_arrays([self.prompts[r] for r in rows], np.int32)
+        ids, mask = (t.to(self.device) for t in left_pad(prompts, self.sampler.pad_id))
         out = self.sampler.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
         self.cache_key, cache = _cache_of(out)
         logits, lengths = out.logits[:, -1], mask.sum(1)
@@ -224,9 +268,12 @@ class _Decoding:
             self.next_position = torch.cat([self.next_position, lengths])
         self.active = np.concatenate([self.active, rows])
 
-    def step(self) -> None:
+    def step(self) -> np.ndarray:
         """Sample a token for every sequence in the batch and keep those of the unfinished ones; finished
-        ones leave (lock-step: all together, once the last has finished); the rest advance one position."""
+        ones leave (lock-step: all together, once the last has finished); the rest advance one position.
+        Returns the rows that ended with this token."""
+        if not len(self.active):
+            return np.zeros(0, np.int64)
         params = self.params
         logits = self.logits.float() / params.temperature
         full_logp = torch.log_softmax(logits, dim=-1)
@@ -244,6 +291,7 @@ class _Decoding:
         self.logprobs[rows, position] = picked[live]
         self.lengths[rows] += 1
         self.finished[rows] = (tokens[live] == self.sampler.eos_id) | (self.lengths[rows] >= self.budgets[rows])
+        ended = rows[self.finished[rows]]
         done = self.finished[self.active]
         if self.sampler.lockstep:
             done = np.full(len(done), done.all())
@@ -252,7 +300,7 @@ class _Decoding:
             self.active = self.active[keep]
             if not len(keep):
                 self.cache = self.mask = self.logits = self.next_position = None
-                return
+                return ended
             index = torch.from_numpy(keep).to(self.device)
             self.mask = kv_rows.trim_left(self.cache, kv_rows.select_rows(self.cache, self.mask, index))
             chosen, self.next_position = chosen[index], self.next_position[index]
@@ -263,6 +311,7 @@ class _Decoding:
         self.cache_key, self.cache = _cache_of(out)
         self.logits = out.logits[:, -1]
         self.next_position = self.next_position + 1
+        return ended
 
     def generation(self) -> Generation:
         return Generation(Ragged.from_padded(self.tokens, self.lengths), Ragged.from_padded(self.logprobs, self.lengths),

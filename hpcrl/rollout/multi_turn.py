@@ -1,0 +1,270 @@
+"""Multi-turn rollout: generate -> env step -> append the observation -> generate, for many envs at once.
+
+Every env progresses on its own: a trajectory's next turn joins the decoding batch as soon as its env
+has answered (continuous batching across envs), and its action goes to its env as soon as the turn
+ends, so one slow env or long answer stalls no other trajectory. Lock-step, the baseline, makes
+every turn of every env wait for the slowest (each wave generates, then every env steps).
+Observation tokens enter the context but not the loss (mask 0, no behaviour log-prob); each
+generated token keeps the log-prob it was sampled with. An env that hangs, raises or dies fails its
+trajectory with the reason (hpcrl.envs.host replaces it), and the others go on. A group may start
+`redundancy` extra trajectories and keep the first `keep` to finish, aborting the rest (ROLL Flash's
+redundant environment rollout). Each turn re-reads the whole context (no KV cache across turns).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import fmean
+
+import numpy as np
+
+from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
+from hpcrl.envs.base import StepResult, TextEnv
+from hpcrl.envs.host import EnvFailure, EnvPool
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How turns become tokens: `encode(text)` gives ids without `<bos>`. The first turn is `<bos>`,
+    the env's instructions and its first observation; every later one the observation alone,
+    after the action's `<eos>`. A chat model's template plugs in here."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    bos_id: int
+
+    def first(self, env: TextEnv, observation: str) -> np.ndarray:
+        text = " ".join(part for part in (env.system_prompt, env.action_format) if part)
+        return np.array([self.bos_id, *self.encode(f"{text} {observation} ")], np.int32)
+
+    def next(self, observation: str) -> np.ndarray:
+        return np.array(self.encode(f" {observation} "), np.int32)
+
+
+@dataclass(frozen=True)
+class Request:
+    group: int
+    env_seed: int       # the episode: every trajectory of a group starts from the same state
+    sample_seed: int    # the policy's draws
+
+
+@dataclass
+class Trajectory:
+    """One episode: the prompt (instructions and first observation), then actions and observations."""
+
+    request: Request
+    prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    response_ids: list[np.ndarray] = field(default_factory=list)   # per piece: an action or an observation
+    loss_mask: list[np.ndarray] = field(default_factory=list)      # 1 on generated tokens
+    logprobs: list[np.ndarray] = field(default_factory=list)       # behaviour log-probs (0 on observations)
+    step_rewards: list[float] = field(default_factory=list)
+    turn_tokens: list[int] = field(default_factory=list)
+    env_seconds: list[float] = field(default_factory=list)
+    success: bool = False
+    failure: str | None = None   # why the env failed it (hung, raised, died)
+    aborted: bool = False        # redundancy: its group was complete without it
+    ended: bool = False
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.step_rewards))
+
+    def tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(response ids, loss mask, behaviour log-probs), flat."""
+        def flat(parts, dtype):
+            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+        return flat(self.response_ids, np.int32), flat(self.loss_mask, bool), flat(self.logprobs, np.float32)
+
+    def context(self) -> np.ndarray:
+        return np.concatenate([self.prompt_ids, *self.response_ids]).astype(np.int32)
+
+    def length(self) -> int:
+        return sum(len(p) for p in self.response_ids)
+
+
+class MultiTurnRollout:
+    """Runs trajectories on `pool`'s env slots with `sampler`: at most one trajectory per slot at a time.
+    `max_turns` actions per trajectory, `turn_tokens` tokens per action, `max_tokens` response tokens
+    (actions and observations) per trajectory."""
+
+    def __init__(self, sampler: NativeSampler, pool: EnvPool, env: TextEnv, turns: TurnFormat, params: SamplingParams,
+                 max_turns: int, turn_tokens: int, max_tokens: int, lockstep: bool = False):
+        self.sampler, self.pool, self.env, self.turns, self.params = sampler, pool, env, turns, params
+        self.max_turns, self.turn_tokens, self.max_tokens, self.lockstep = max_turns, turn_tokens, max_tokens, lockstep
+
+    def run(self, requests: list[Request], keep: int | None = None) -> list[Trajectory]:
+        """Every request's trajectory, in order. With `keep`, a group is complete once `keep` of its
+        trajectories have ended without failing: the others are aborted (and returned so marked)."""
+        run = _Run(self, requests, keep)
+        training = self.sampler.model.training
+        self.sampler.model.eval()
+        try:
+            run.loop()
+        finally:
+            self.sampler.model.train(training)
+        return run.trajectories
+
+
+class _Run:
+    def __init__(self, rollout: MultiTurnRollout, requests: list[Request], keep: int | None):
+        self.r = rollout
+        self.trajectories = [Trajectory(q) for q in requests]
+        self.queue = deque(range(len(requests)))
+        self.keep = keep
+        self.kept: Counter[int] = Counter()
+        self.decoding = rollout.sampler.decoding(rollout.params, rollout.turn_tokens)
+        self.row_of: dict[int, int] = {}       # decoding row -> trajectory
+        self.slot_of: dict[int, int] = {}      # trajectory -> env slot
+        self.on_slot: dict[int, int] = {}      # env slot -> trajectory whose call is in flight
+        self.sent_at: dict[int, float] = {}
+        self.free = deque(range(len(rollout.pool.slots)))
+        self.to_generate: list[int] = []       # lock-step: held until the wave's envs have all answered
+        self.to_step: list[tuple[int, str]] = []
+
+    def loop(self) -> None:
+        self._start_more()
+        while not all(t.ended for t in self.trajectories):
+            self._flush_lockstep()
+            waiting_on_envs = bool(self.pool_pending())
+            if not self.decoding.busy and not waiting_on_envs:
+                raise RuntimeError("multi-turn rollout: nothing in flight while trajectories are unfinished")
+            for slot, answer in self.r.pool.collect(0 if self.decoding.busy else None):
+                self._answered(slot, answer)
+            if self.decoding.busy:
+                for row in self.decoding.advance():
+                    self._acted(self.row_of.pop(int(row)), int(row))
+
+    def pool_pending(self) -> list[int]:
+        return self.r.pool.pending()
+
+    def _flush_lockstep(self) -> None:
+        """Lock-step: a wave's turns generate only once every env has answered, and its actions go
+        out only once the wave's last turn has ended."""
+        if self.to_generate and not self.pool_pending() and not self.to_step:
+            for index in self.to_generate:
+                self._generate(index)
+            self.to_generate = []
+        if self.to_step and not self.decoding.busy:
+            for index, action in self.to_step:
+                self._send(index, "step", action)
+            self.to_step = []
+
+    def _start_more(self) -> None:
+        while self.free and self.queue:
+            index = self.queue.popleft()
+            if self.trajectories[index].ended:
+                continue
+            self.slot_of[index] = self.free.popleft()
+            self._send(index, "reset", self.trajectories[index].request.env_seed)
+
+    def _send(self, index: int, kind: str, payload) -> None:
+        slot = self.slot_of[index]
+        self.on_slot[slot] = index
+        self.sent_at[index] = time.monotonic()
+        self.r.pool.submit(slot, kind, payload)
+
+    def _generate(self, index: int) -> None:
+        t = self.trajectories[index]
+        budget = min(self.r.turn_tokens, self.r.max_tokens - t.length())
+        if budget <= 0:
+            self._end(index)
+            return
+        seed = (t.request.sample_seed * 1_000_003 + len(t.turn_tokens)) % 2 ** 63
+        row = int(self.decoding.add([t.context()], np.array([budget]), np.array([seed]))[0])
+        self.row_of[row] = index
+
+    def _queue_generate(self, index: int) -> None:
+        if self.r.lockstep:
+            self.to_generate.append(index)
+        else:
+            self._generate(index)
+
+    def _acted(self, index: int, row: int) -> None:
+        """A turn ended: keep its tokens and send the action to the env."""
+        t = self.trajectories[index]
+        length = int(self.decoding.lengths[row])
+        ids = self.decoding.tokens[row, :length].copy()
+        t.response_ids.append(ids)
+        t.loss_mask.append(np.ones(length, bool))
+        t.logprobs.append(self.decoding.logprobs[row, :length].copy())
+        t.turn_tokens.append(length)
+        if t.aborted:
+            self._end(index)
+            return
+        action = self.r.turns.decode(ids.tolist())
+        if self.r.lockstep:
+            self.to_step.append((index, action))
+        else:
+            self._send(index, "step", action)
+
+    def _answered(self, slot: int, answer: str | StepResult | EnvFailure) -> None:
+        index = self.on_slot.pop(slot)
+        t = self.trajectories[index]
+        t.env_seconds.append(time.monotonic() - self.sent_at.pop(index))
+        if isinstance(answer, EnvFailure):
+            t.failure = f"{answer.kind}: {answer.reason}"
+            self._end(index)
+        elif t.aborted:
+            self._end(index)
+        elif isinstance(answer, str):   # the reset's first observation
+            t.prompt_ids = self.r.turns.first(self.r.env, answer)
+            self._queue_generate(index)
+        else:
+            t.step_rewards.append(answer.reward)
+            if answer.done or len(t.turn_tokens) >= self.r.max_turns:
+                t.success = bool(answer.info.get("success", False))
+                self._end(index)
+                return
+            observation = self.r.turns.next(answer.observation)
+            t.response_ids.append(observation)
+            t.loss_mask.append(np.zeros(len(observation), bool))
+            t.logprobs.append(np.zeros(len(observation), np.float32))
+            self._queue_generate(index)
+
+    def _end(self, index: int) -> None:
+        t = self.trajectories[index]
+        t.ended = True
+        slot = self.slot_of.pop(index, None)
+        if slot is not None:
+            self.free.append(slot)
+        if self.keep is not None and t.failure is None and not t.aborted:
+            self.kept[t.request.group] += 1
+            if self.kept[t.request.group] == self.keep:
+                self._abort_rest(t.request.group)
+        self._start_more()
+
+    def _abort_rest(self, group: int) -> None:
+        """The group is complete: its unstarted trajectories end now, those being decoded or waiting
+        to be at once (their rows dropped), those with an env call in flight when it answers."""
+        members = [i for i, t in enumerate(self.trajectories) if t.request.group == group and not t.ended]
+        for index in members:
+            self.trajectories[index].aborted = True
+            if index not in self.slot_of:
+                self.trajectories[index].ended = True
+        rows = {i: r for r, i in self.row_of.items()}
+        for index in members:
+            if index in rows:
+                self.row_of.pop(rows[index])
+                self.decoding.abort(np.array([rows[index]]))
+                self._end(index)
+            elif index in self.to_generate:
+                self.to_generate.remove(index)
+                self._end(index)
+
+
+def trajectory_metrics(trajectories: list[Trajectory], failures: Counter) -> dict[str, float]:
+    """Success rate, turns, tokens per turn and env step time of the kept trajectories; failed and
+    aborted counts; the pool's replaced envs by kind."""
+    kept = [t for t in trajectories if not t.aborted and t.failure is None]
+    turns = [n for t in kept for n in t.turn_tokens]
+    return {
+        "success_rate": fmean(t.success for t in kept) if kept else 0.0,
+        "turns": fmean(len(t.turn_tokens) for t in kept) if kept else 0.0,
+        "tokens_per_turn": fmean(turns) if turns else 0.0,
+        "env_step_s": fmean(s for t in trajectories for s in t.env_seconds) if trajectories else 0.0,
+        "trajectories_failed": float(sum(t.failure is not None for t in trajectories)),
+        "trajectories_aborted": float(sum(t.aborted for t in trajectories)),
+        **{f"envs_{kind}": float(count) for kind, count in sorted(failures.items())},
+    }

@@ -1,0 +1,108 @@
+"""Multi-turn rollout over env processes: masks, behaviour log-probs, env-level asynchrony, failures
+and redundancy, with the native sampler on a tiny random model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from hpcrl.config import load_job
+from hpcrl.data import CharTokenizer
+from hpcrl.data.tokenizer import CHARACTERS
+from hpcrl.engines.hf_model import random_model
+from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
+from hpcrl.envs import EnvSpec
+from hpcrl.envs.host import EnvPool
+from hpcrl.rollout.multi_turn import MultiTurnRollout, Request, TurnFormat, trajectory_metrics
+
+
+def rollout_for(spec: EnvSpec, slots: int, lockstep: bool = False, max_turns: int = 4, step_timeout_s: float = 20.0):
+    env = spec.build()
+    characters = "".join(sorted(set(CHARACTERS + env.alphabet + env.system_prompt + env.action_format)))
+    tokenizer = CharTokenizer(characters)
+    job = load_job(REPO / "jobs" / "tiny_grpo.yaml")
+    model = random_model(job.model, tokenizer, 3)
+    sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, lockstep=lockstep)
+    pool = EnvPool(spec, slots, step_timeout_s)
+    turns = TurnFormat(lambda text: tokenizer.encode(text, add_bos=False), tokenizer.decode, tokenizer.bos_token_id)
+    return MultiTurnRollout(sampler, pool, env, turns, SamplingParams(4), max_turns=max_turns, turn_tokens=4,
+                            max_tokens=64, lockstep=lockstep), tokenizer
+
+
+def test_observations_are_masked_and_actions_keep_their_sampling_logprobs():
+    """Replaying each trajectory's actions in a fresh env gives exactly its masked pieces: the loss
+    mask is 0 on every observation token and 1 on every generated one, whose log-probs are kept."""
+    spec = EnvSpec("frozenlake")
+    rollout, tokenizer = rollout_for(spec, slots=4)
+    requests = [Request(group=i // 2, env_seed=i // 2, sample_seed=100 + i) for i in range(8)]
+    with rollout.pool:
+        trajectories = rollout.run(requests)
+    assert all(t.ended and t.failure is None for t in trajectories)
+    assert sum(len(t.turn_tokens) for t in trajectories) > len(trajectories), "some went past one turn"
+    replay = spec.build()
+    for t in trajectories:
+        ids, mask, logprobs = t.tokens()
+        assert t.prompt_ids.tolist() == rollout.turns.first(replay, replay.reset(t.request.env_seed)).tolist()
+        assert len(ids) == len(mask) == len(logprobs)
+        assert (logprobs[mask] < 0).all() and (logprobs[~mask] == 0).all()
+        pieces = iter(zip(t.response_ids, t.loss_mask))
+        for turn, (action, action_mask) in enumerate(pieces):
+            assert action_mask.all() and len(action) == t.turn_tokens[turn]
+            result = replay.step(tokenizer.decode(action.tolist()))
+            assert t.step_rewards[turn] == result.reward
+            if result.done or turn + 1 == rollout.max_turns:
+                assert t.success == bool(result.info.get("success")) and next(pieces, None) is None
+                break
+            observation, observation_mask = next(pieces)
+            assert observation.tolist() == rollout.turns.next(result.observation).tolist()
+            assert not observation_mask.any()
+
+
+def test_env_level_asynchrony_gives_the_lockstep_trajectories():
+    """Envs answer at their own pace (a step takes 0 to 0.45 s by seed): trajectories that progress
+    on their own equal, token for token, those of lock-step waves, since every draw depends only on
+    the trajectory's seed and turn."""
+    spec = EnvSpec("envs_for_tests:paced", {"length": 3, "delay_s": 0.05})
+    requests = [Request(group=i, env_seed=i, sample_seed=7 * i) for i in range(6)]
+    results = []
+    for lockstep in (False, True):
+        rollout, _ = rollout_for(spec, slots=3, lockstep=lockstep)
+        with rollout.pool:
+            results.append(rollout.run(requests))
+    for free, waves in zip(*results):
+        assert [a.tolist() for a in free.response_ids] == [a.tolist() for a in waves.response_ids]
+        assert np.allclose(free.tokens()[2], waves.tokens()[2], atol=1e-5)
+        assert free.success and waves.success and free.reward == 1.0
+
+
+def test_hung_and_raising_envs_fail_their_trajectories_and_the_rest_finish():
+    spec = EnvSpec("envs_for_tests:paced", {"length": 2, "delay_s": 0.01})
+    rollout, _ = rollout_for(spec, slots=3, step_timeout_s=2.0)
+    requests = [Request(group=0, env_seed=seed, sample_seed=seed) for seed in (1, 99, 98, 2, 3)]
+    with rollout.pool:
+        trajectories = rollout.run(requests)
+        failures = rollout.pool.failures
+    by_seed = {t.request.env_seed: t for t in trajectories}
+    assert by_seed[99].failure.startswith("hung: no answer within 2 s")
+    assert by_seed[98].failure == "raised: RuntimeError: broken on purpose"
+    assert all(by_seed[s].success and by_seed[s].failure is None for s in (1, 2, 3))
+    metrics = trajectory_metrics(trajectories, failures)
+    assert metrics["trajectories_failed"] == 2 and metrics["envs_hung"] == 1 and metrics["envs_raised"] == 1
+    assert metrics["success_rate"] == 1.0 and metrics["turns"] == 2.0
+
+
+def test_redundancy_keeps_the_first_finishers_and_aborts_the_rest():
+    """Two groups of 4 trajectories, keep 2: the env's pace is set by the seed, so the two fastest
+    of each group are kept and the two slowest aborted mid-episode."""
+    spec = EnvSpec("envs_for_tests:paced", {"length": 3, "delay_s": 0.1})
+    requests = [Request(group=g, env_seed=s, sample_seed=s) for g in (0, 1) for s in (g * 10 + 8, g * 10 + 1,
+                                                                                      g * 10 + 6, g * 10 + 0)]
+    rollout, _ = rollout_for(spec, slots=8)
+    with rollout.pool:
+        trajectories = rollout.run(requests, keep=2)
+    kept = sorted(t.request.env_seed for t in trajectories if not t.aborted)
+    aborted = [t for t in trajectories if t.aborted]
+    assert kept == [0, 1, 10, 11]
+    assert sorted(t.request.env_seed for t in aborted) == [6, 8, 16, 18]
+    assert all(t.ended and not t.success for t in aborted)
+    assert trajectory_metrics(trajectories, rollout.pool.failures)["trajectories_aborted"] == 4
