@@ -3,11 +3,17 @@ is killed and replaced, its trajectory is failed with the reason, and the other 
 only logs hung envs). Calls go out to many envs at once and answers are collected as they come,
 so every env progresses at its own pace (env-level asynchrony).
 
-Processes are spawned, not forked: an env host lives in an MPI rank, where forking is unsafe.
+Each env process is a fresh interpreter (`python -m hpcrl.envs.host`), not a fork (an env host
+lives in an MPI rank, where forking is unsafe) nor a multiprocessing spawn (which re-imports the
+rank's main module, torch and all, in every env process); it imports only hpcrl.envs and the env's
+module, found on the parent's sys.path.
 """
 from __future__ import annotations
 
-import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -48,7 +54,7 @@ def _serve(conn: Connection, spec: EnvSpec) -> None:
 
 class _Slot:
     def __init__(self) -> None:
-        self.process: multiprocessing.Process | None = None
+        self.process: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.deadline: float | None = None   # of the call in flight
 
@@ -60,14 +66,15 @@ class EnvPool:
         self.spec, self.step_timeout_s = spec, step_timeout_s
         self.slots = [_Slot() for _ in range(size)]
         self.failures: Counter[str] = Counter()   # by kind: what the run's metrics report
-        self._context = multiprocessing.get_context("spawn")
 
     def _start(self, slot: _Slot) -> None:
-        parent, child = self._context.Pipe()
-        slot.process = self._context.Process(target=_serve, args=(child, self.spec), daemon=True)
-        slot.process.start()
+        parent, child = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        slot.process = subprocess.Popen([sys.executable, "-m", "hpcrl.envs.host", str(child.fileno())],
+                                        pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
-        slot.conn = parent
+        slot.conn = Connection(parent.detach())
+        slot.conn.send(self.spec)
 
     def submit(self, index: int, kind: str, payload: Any) -> None:
         """Send ("reset", seed) or ("step", action text) to slot `index` (one call in flight per slot)."""
@@ -100,7 +107,10 @@ class EnvPool:
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
-                code = self.slots[index].process.exitcode
+                try:   # its end of the socket closed: the process is exiting
+                    code = self.slots[index].process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = None
                 answers.append((index, self._fail(index, "died", f"the env process exited (code {code})")))
                 continue
             if status == "ok":
@@ -132,7 +142,7 @@ class EnvPool:
     def _stop(slot: _Slot) -> None:
         if slot.process is not None:
             slot.process.kill()
-            slot.process.join(5)
+            slot.process.wait()
             slot.conn.close()
         slot.process, slot.conn, slot.deadline = None, None, None
 
@@ -145,3 +155,8 @@ class EnvPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+if __name__ == "__main__":   # an env process: its end of the socket, then the spec, then calls
+    connection = Connection(int(sys.argv[1]))
+    _serve(connection, connection.recv())

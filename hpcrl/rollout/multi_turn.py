@@ -125,8 +125,10 @@ class _Run:
 
     def loop(self) -> None:
         self._start_more()
-        while not all(t.ended for t in self.trajectories):
-            self._flush_lockstep()
+        while True:
+            self._flush_lockstep()   # may end trajectories (out of tokens)
+            if all(t.ended for t in self.trajectories):
+                return
             waiting_on_envs = bool(self.pool_pending())
             if not self.decoding.busy and not waiting_on_envs:
                 raise RuntimeError("multi-turn rollout: nothing in flight while trajectories are unfinished")
