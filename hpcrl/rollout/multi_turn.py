@@ -129,8 +129,7 @@ class _Run:
             self._flush_lockstep()   # may end trajectories (out of tokens)
             if all(t.ended for t in self.trajectories):
                 return
-            waiting_on_envs = bool(self.pool_pending())
-            if not self.decoding.busy and not waiting_on_envs:
+            if not self.decoding.busy and not self.r.pool.pending():
                 raise RuntimeError("multi-turn rollout: nothing in flight while trajectories are unfinished")
             for slot, answer in self.r.pool.collect(0 if self.decoding.busy else None):
                 self._answered(slot, answer)
@@ -138,13 +137,10 @@ class _Run:
                 for row in self.decoding.advance():
                     self._acted(self.row_of.pop(int(row)), int(row))
 
-    def pool_pending(self) -> list[int]:
-        return self.r.pool.pending()
-
     def _flush_lockstep(self) -> None:
         """Lock-step: a wave's turns generate only once every env has answered, and its actions go
         out only once the wave's last turn has ended."""
-        if self.to_generate and not self.pool_pending() and not self.to_step:
+        if self.to_generate and not self.r.pool.pending() and not self.to_step:
             for index in self.to_generate:
                 self._generate(index)
             self.to_generate = []
