@@ -55,6 +55,9 @@ class PreemptionSignal:
             raise RuntimeError("PreemptionSignal.install() must be called from the main thread")
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+            # SA_RESTART: the signal lands on any thread of the rank (gloo's, MPI's, OpenMP's); a read
+            # or write it interrupts there is restarted by the kernel, not failed with EINTR
+            signal.siginterrupt(signum, False)
         return self
 
     def uninstall(self) -> None:
