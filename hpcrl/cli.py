@@ -167,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         store.verify(path)
     except CheckpointError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    out = export_policy(job, run_dir, path, load_tokenizer(job.model), Path(args.out))
+    out = export_policy(job, run_dir, path, load_tokenizer(job.model, job.env), Path(args.out))
     count = ModelFiles(out).numel()
     print(f"hpcrl: exported step {step} ({job.engine('actor_train')} engine, {count / 1e6:.2f}M parameters, "
           f"{job.model.dtype}) to {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")

@@ -47,23 +47,25 @@ def gym_frozenlake() -> TextEnv:
 
 
 class Paced(TextEnv):
-    """An episode of `length` steps whose every step takes `seed % 10 * delay_s` seconds; seed 98
-    raises at its first step, seed 99 hangs. Reward 1 at the end; observations count the steps."""
+    """An episode of `length` steps whose every step takes `seed % 10 * delay_s` seconds; seed
+    `raise_seed` raises at its first step, `hang_seed` hangs. Reward 1 at the end; observations
+    count the steps."""
 
     system_prompt = "go"
     alphabet = "0123456789 step"
 
-    def __init__(self, length: int = 3, delay_s: float = 0.05) -> None:
+    def __init__(self, length: int = 3, delay_s: float = 0.05, raise_seed: int = 98, hang_seed: int = 99) -> None:
         self.length, self.delay_s, self.seed, self.steps = length, delay_s, 0, 0
+        self.raise_seed, self.hang_seed = raise_seed, hang_seed
 
     def reset(self, seed: int) -> str:
         self.seed, self.steps = seed, 0
         return "0"
 
     def step(self, action: str) -> StepResult:
-        if self.seed == 98:
+        if self.seed == self.raise_seed:
             raise RuntimeError("broken on purpose")
-        time.sleep(3600 if self.seed == 99 else self.seed % 10 * self.delay_s)
+        time.sleep(3600 if self.seed == self.hang_seed else self.seed % 10 * self.delay_s)
         self.steps += 1
         done = self.steps >= self.length
         return StepResult(f"step {self.steps}", float(done), done, {"success": done})

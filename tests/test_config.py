@@ -173,3 +173,17 @@ def test_each_preset_puts_its_kl_in_one_place_and_only_with_a_reference(tmp_path
 ])
 def test_an_option_that_does_not_apply_is_refused_by_key(tmp_path, overrides, message):
     assert message in error_of(write(tmp_path, GOOD), overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["roles.actor_infer.engine=vllm"], "roles.actor_infer.engine: 'vllm': multi-turn rollout (env) runs on the "
+                                        "native sampler"),
+    (["algorithm.name=ppo", "roles.critic={engine: torch, colocate_with: actor_train}"],
+     "algorithm.advantage: gae over multi-turn trajectories"),
+    (["rollout.max_round_s=5"], "rollout.max_round_s: env rounds play every trajectory to its end"),
+    (["eval.every=10"], "eval.every: evaluation replays prompts, and an env job has none"),
+    (["env.max_tokens=1"], "env.max_tokens: 1 is less than one turn's rollout.max_new_tokens = 2"),
+    (["task={name: addition}"], "give exactly one of 'task' (a built-in task), 'datasets' (prompt files) or 'env'"),
+])
+def test_what_multi_turn_rollout_cannot_run_is_refused_by_key(overrides, message):
+    assert message in error_of(REPO / "jobs" / "tiny_frozenlake.yaml", overrides)

@@ -183,6 +183,33 @@ def one_train_step(job, lr: float) -> tuple[dict[str, float], bool]:
     return metrics, any(not torch.equal(a, b) for a, b in zip(before, trainer.module.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_tokens_out_of_the_loss_mask_change_nothing_in_the_update(mode):
+    """An env's observation tokens (loss mask 0) are context only: whatever their advantages and
+    log-probs, the update is the same; without the mask the same change moves the weights."""
+    from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+
+    job = load_job(REPO / "jobs" / "tiny_grpo.yaml", [f"algorithm.loss_agg={mode}"])
+    tokenizer = CharTokenizer()
+    prompts, responses = rows([tokenizer.encode("1+2=")] * 4), rows([[6, 9, 9, 2], [5, 8], [7, 9, 9, 9, 2], [4, 2]])
+    mask = responses.with_values(np.ones(len(responses.values), np.float32))
+    mask.values[[1, 2, 7, 8, 9]] = 0   # "observations" inside the first and third responses
+
+    def update(advantages: np.ndarray, masked: bool) -> list[torch.Tensor]:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = TorchTrainer(random_files(job, tokenizer, Path(tmp)), job, tokenizer.pad_token_id, None)
+        old = trainer.logprobs(prompts, responses)
+        columns = {"old_logprobs": old, "advantages": old.with_values(advantages.astype(np.float32))}
+        trainer.train_step(Samples(prompts, responses, {**columns, **({"loss_mask": mask} if masked else {})}), 0.01)
+        return [p.detach().clone() for p in trainer.module.parameters()]
+
+    base = np.ones(len(responses.values))
+    changed = base.copy()
+    changed[mask.values == 0] = -50.0
+    assert all(torch.equal(a, b) for a, b in zip(update(base, True), update(changed, True)))
+    assert not all(torch.equal(a, b) for a, b in zip(update(base, False), update(changed, False)))
+
+
 def test_every_loss_aggregation_trains():
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
         job = load_job(REPO / "jobs" / "tiny_grpo.yaml", [f"algorithm.loss_agg={mode}"])

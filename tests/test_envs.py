@@ -47,6 +47,10 @@ def test_frozenlake_has_a_fixed_set_of_solvable_maps_and_its_rules():
     assert set(observation) <= set(env.alphabet)
     invalid = env.step("jump")
     assert invalid.info["invalid"] and invalid.observation == observation and not invalid.done
+    assert invalid.reward == 0.0
+    penalised = EnvSpec("frozenlake", {"invalid_reward": -0.1}).build()
+    penalised.reset(0)
+    assert penalised.step("jump").reward == -0.1 and penalised.step("R").reward >= 0   # a format penalty
     # walking into a hole ends the episode without reward; off the grid the player stays
     grid, (row, col) = maps[0]
     for move, (dr, dc) in MOVES.items():

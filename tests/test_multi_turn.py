@@ -8,7 +8,7 @@ from conftest import REPO
 
 from hpcrl.config import load_job
 from hpcrl.data import CharTokenizer
-from hpcrl.data.tokenizer import CHARACTERS
+from hpcrl.data.tokenizer import env_characters
 from hpcrl.engines.hf_model import random_model
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
 from hpcrl.envs import EnvSpec
@@ -18,8 +18,7 @@ from hpcrl.rollout.multi_turn import MultiTurnRollout, Request, TurnFormat, traj
 
 def rollout_for(spec: EnvSpec, slots: int, lockstep: bool = False, max_turns: int = 4, step_timeout_s: float = 20.0):
     env = spec.build()
-    characters = "".join(sorted(set(CHARACTERS + env.alphabet + env.system_prompt + env.action_format)))
-    tokenizer = CharTokenizer(characters)
+    tokenizer = CharTokenizer(env_characters(env))
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml")
     model = random_model(job.model, tokenizer, 3)
     sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, lockstep=lockstep)

@@ -115,6 +115,25 @@ class DatasetConfig(Schema):
                                             "code reward_timeout")
 
 
+class EnvConfig(Schema):
+    """Agentic RL: the policy acts over turns in an environment (hpcrl.envs) instead of answering
+    prompts. A group is `algorithm.group_size` trajectories from one env seed (GRPO over
+    trajectories); the env's rewards are the trajectory's. Each rollout rank runs its envs as
+    processes of its own; a turn may use `rollout.max_new_tokens` tokens."""
+
+    name: str = Field(..., description="a built-in env (frozenlake, sokoban, guess_number, tools) or "
+                      "package.module:function returning a hpcrl.envs.TextEnv")
+    options: dict[str, Any] = Field(default_factory=dict, description="the env's keyword arguments")
+    seeds: PositiveInt = Field(8, description="episodes: seeds 0..seeds-1, drawn as a dataset's prompts are")
+    max_turns: PositiveInt = Field(8, description="actions per trajectory")
+    max_tokens: PositiveInt = Field(256, description="response tokens per trajectory, actions and observations")
+    step_timeout_s: PositiveFloat = Field(30.0, description="an env call that takes longer is killed, its env "
+                                          "replaced and its trajectory failed")
+    workers: PositiveInt = Field(16, description="env processes per rollout rank (trajectories played at once)")
+    group_redundancy: NonNegativeInt = Field(0, description="extra trajectories started per group; the first "
+                                             "algorithm.group_size to finish are kept, the rest aborted")
+
+
 class EvalConfig(Schema):
     """Held-out prompts scored with greedy and sampled decoding by the current policy."""
 
@@ -365,6 +384,7 @@ class JobConfig(Schema):
     model: ModelConfig = ModelConfig()
     task: TaskConfig | None = None
     datasets: list[DatasetConfig] | None = Field(None, description="prompt files, one per domain")
+    env: EnvConfig | None = Field(None, description="multi-turn episodes in an environment instead of prompts")
     domain_interleave_probs: dict[str, PositiveFloat] | None = Field(
         None, description="tag -> share of the prompts drawn from that domain (normalised); unset: in "
                           "proportion to the datasets' sizes")
@@ -389,8 +409,11 @@ class JobConfig(Schema):
     @model_validator(mode="after")
     def _check(self) -> "JobConfig":
         self._check_algorithm_roles()
-        if (self.task is None) == (self.datasets is None):
-            raise ValueError("give exactly one of 'task' (a built-in task) or 'datasets' (prompt files)")
+        if sum(x is not None for x in (self.task, self.datasets, self.env)) != 1:
+            raise ValueError("give exactly one of 'task' (a built-in task), 'datasets' (prompt files) or 'env' "
+                             "(an environment)")
+        if self.env is not None:
+            self._check_env()
         self._check_domains()
         for name, role in self.roles.items():
             allowed = ROLE_ENGINES[name]
@@ -423,8 +446,34 @@ class JobConfig(Schema):
             raise ValueError(f"domain_interleave_probs: give a share for each dataset tag {sorted(tags)} "
                              f"(unknown: {sorted(unknown)}, missing: {sorted(missing)})")
 
+    def _check_env(self) -> None:
+        """What multi-turn rollout runs with (hpcrl.rollout.multi_turn), refused by key otherwise."""
+        if self.engine("actor_infer") != "native":
+            raise ValueError(f"roles.actor_infer.engine: {self.engine('actor_infer')!r}: multi-turn rollout (env) runs "
+                             "on the native sampler, whose batch takes a trajectory's next turn while it decodes; "
+                             "use engine: native")
+        if self.algorithm.advantage == "gae":
+            raise ValueError("algorithm.advantage: gae over multi-turn trajectories (a value per token, across "
+                             "observations) is not implemented; use a group advantage (grpo, rloo, reinforce_pp): "
+                             "a group is the trajectories of one env seed")
+        if self.rollout.max_round_s is not None:
+            raise ValueError("rollout.max_round_s: env rounds play every trajectory to its end (an episode is "
+                             "not continued across rounds); remove it")
+        if self.eval.every:
+            raise ValueError("eval.every: evaluation replays prompts, and an env job has none; remove it (the "
+                             "training metrics success_rate and turns follow the policy)")
+        if self.env.max_tokens < self.rollout.max_new_tokens:
+            raise ValueError(f"env.max_tokens: {self.env.max_tokens} is less than one turn's rollout.max_new_tokens "
+                             f"= {self.rollout.max_new_tokens}; raise it")
+
+    def response_budget(self) -> int:
+        """The longest response a sample may have: one answer's tokens, or a trajectory's."""
+        return self.env.max_tokens if self.env is not None else self.rollout.max_new_tokens
+
     def domains(self) -> list[str]:
-        """The training domains (dataset tags; a built-in task's name)."""
+        """The training domains (dataset tags; a built-in task's name; an env's name)."""
+        if self.env is not None:
+            return [self.env.name]
         return [d.tag for d in self.datasets] if self.datasets else [self.task.name]
 
     def _check_algorithm_roles(self) -> None:

@@ -10,8 +10,8 @@ from hpcrl.config.job import JobConfig
 
 @dataclass(frozen=True)
 class Prompt:
-    text: str
-    answer: str        # the reference the domain's reward compares with
+    text: str          # empty for an env's episode
+    answer: str        # the reference the domain's reward compares with; an env's episode seed
     domain: str        # the dataset's tag (a built-in task's name)
 
 
@@ -43,6 +43,8 @@ def load_prompts(job: JobConfig, tokenizer) -> tuple[dict[str, list[Prompt]], di
     prompts are `eval.holdout` of its own, drawn with the job's seed and left out of training."""
     from hpcrl.data.datasets import dataset_prompts   # Hugging Face datasets: imported when files are read
 
+    if job.env is not None:   # an episode per seed: the rollout's env renders its first observation
+        return {job.env.name: [Prompt("", str(seed), job.env.name) for seed in range(job.env.seeds)]}, {}
     if job.task is not None:
         train = {job.task.name: task_prompts(job.task)}
     else:

@@ -5,7 +5,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hpcrl.config.job import ModelConfig
+    from hpcrl.config.job import EnvConfig, ModelConfig
+    from hpcrl.envs.base import TextEnv
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 CHARACTERS = "0123456789+-*=() "
@@ -27,7 +28,8 @@ class CharTokenizer:
         try:
             ids = [self._ids[ch] for ch in text]
         except KeyError as exc:
-            raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary {CHARACTERS!r}") from None
+            raise ValueError(f"character {exc.args[0]!r} is not in the task vocabulary "
+                             f"{''.join(self.vocab[len(SPECIAL_TOKENS):])!r}") from None
         return [self.bos_token_id] + ids if add_bos else ids
 
     def to_hf(self):
@@ -92,8 +94,21 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(model: ModelConfig) -> CharTokenizer | HFTokenizer:
+def env_characters(env: TextEnv) -> str:
+    """The built-in tasks' characters, then those an env's text uses that they lack (in a fixed
+    order): a tiny model's vocabulary for the env, with the tasks' ids unchanged."""
+    text = env.system_prompt + env.action_format + env.alphabet
+    return CHARACTERS + "".join(sorted(set(text) - set(CHARACTERS)))
+
+
+def load_tokenizer(model: ModelConfig, env: EnvConfig | None = None) -> CharTokenizer | HFTokenizer:
     """`model.tokenizer`, else the tokenizer of the local HF model at `model.path`, else the built-in
-    tasks' character tokenizer."""
+    tasks' character tokenizer (with the characters of the job's env, if it has one)."""
     path = model.tokenizer or model.path
-    return HFTokenizer(path) if path else CharTokenizer()
+    if path:
+        return HFTokenizer(path)
+    if env is None:
+        return CharTokenizer()
+    from hpcrl.envs import EnvSpec
+
+    return CharTokenizer(env_characters(EnvSpec(env.name, env.options).build()))

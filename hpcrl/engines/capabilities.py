@@ -23,8 +23,8 @@ _MISSING = {
 }
 # Roles the runtime implements; the schema names the others so that jobs can be written ahead.
 IMPLEMENTED_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward")
-_PLANNED = {"env": "multi-turn environments are not implemented yet; the built-in tasks and datasets are "
-                   "single-turn"}
+_PLANNED = {"env": "env workers on ranks of their own are not implemented yet; the envs of a job's env section "
+                   "run as processes of each rollout rank (env.workers of them)"}
 # (role, engine) pairs an engine cannot host, and why.
 _ROLE_ENGINE = {("critic", "megatron"): "hpcrl builds Megatron's GPTModel with a vocabulary head only, no value "
                                         "head; give the critic engine: torch (fsdp: true to shard it) or deepspeed "

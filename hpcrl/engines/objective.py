@@ -13,12 +13,13 @@ import torch
 
 from hpcrl.algos import aggregate_loss, clipped_value_loss, kl_penalty, policy_loss
 from hpcrl.config.job import JobConfig
+from hpcrl.ragged import Ragged
 
 
 class Shares:
     """How one micro-batch's loss becomes its share of the minibatch's: token-mean over the global
     token count; the sequence means over the local sequences, weighted by their part of the global
-    ones (`seq-mean-token-sum-norm` by the longest response allowed, rollout.max_new_tokens)."""
+    ones (`seq-mean-token-sum-norm` by the longest response allowed: job.response_budget)."""
 
     def __init__(self, job: JobConfig, mask: torch.Tensor, global_tokens: float, global_sequences: int):
         self.mode = job.algorithm.loss_agg
@@ -26,7 +27,7 @@ class Shares:
         token_mean = self.mode == "token-mean"
         self.count = global_tokens if token_mean else None
         self.weight = 1.0 if token_mean else mask.shape[0] / max(global_sequences, 1)
-        self.norm_length = job.rollout.max_new_tokens
+        self.norm_length = job.response_budget()
 
     @property
     def loss_kwargs(self) -> dict:
@@ -36,6 +37,17 @@ class Shares:
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         """The share of a per-token term [N, R]."""
         return aggregate_loss(values, self.mask, self.mode, self.count, self.norm_length) * self.weight
+
+
+def trained_mask(mask: torch.Tensor, columns: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The response tokens the loss counts: all of a response's, or those its `loss_mask` keeps (an
+    env's observation tokens are context the policy did not write)."""
+    return mask * columns["loss_mask"] if "loss_mask" in columns else mask
+
+
+def trained_tokens(responses: Ragged, columns: dict[str, Ragged]) -> float:
+    """How many response tokens the loss counts (token-mean's denominator, before the DP sum)."""
+    return float(columns["loss_mask"].values.sum()) if "loss_mask" in columns else float(responses.lengths.sum())
 
 
 def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, columns: dict[str, torch.Tensor],
@@ -48,6 +60,7 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, colum
     metrics: the loss function's, plus `loss` and `kl_loss` (shares: sum them over micro-batches),
     `entropy_sum` and `tokens` (for token-weighted means: see `combine_micro_metrics`)."""
     algo = job.algorithm
+    mask = trained_mask(mask, columns)
     share = Shares(job, mask, global_tokens, global_sequences)
     extra = {"dual_clip_c": algo.dual_clip_c} if algo.policy_loss == "ppo_clip" else {}
     policy, metrics = policy_loss(algo.policy_loss)(

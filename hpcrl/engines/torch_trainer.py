@@ -29,7 +29,7 @@ from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.micro_batches import MicroBatching, micro_batching
 from hpcrl.engines.model_files import ModelFiles, load_full
 from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
-from hpcrl.engines.objective import combine_micro_metrics, policy_objective, value_objective
+from hpcrl.engines.objective import combine_micro_metrics, policy_objective, trained_tokens, value_objective
 from hpcrl.ragged import Ragged
 
 
@@ -212,7 +212,7 @@ class TorchTrainer:
                 prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
                 minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()})
                 groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
-                tokens = self._dp_sum(float(responses.lengths.sum()))
+                tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
                 sequences = int(self._dp_sum(float(len(index))))
                 outputs = []
                 self._zero_grad()

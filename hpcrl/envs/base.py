@@ -30,6 +30,7 @@ class TextEnv(ABC):
     system_prompt: str = ""
     action_format: str = ""
     alphabet: str = ""
+    invalid_reward: float = 0.0   # what an unparsable action earns (a format penalty when negative)
 
     @abstractmethod
     def reset(self, seed: int) -> str:
@@ -40,8 +41,8 @@ class TextEnv(ABC):
         """Apply the policy's action text."""
 
     def invalid(self, action: str, observation: str) -> StepResult:
-        """An action the env cannot parse: no reward, the state unchanged, the episode goes on."""
-        return StepResult(observation, 0.0, False, {"invalid": True, "action": action[:80]})
+        """An action the env cannot parse: `invalid_reward`, the state unchanged, the episode goes on."""
+        return StepResult(observation, self.invalid_reward, False, {"invalid": True, "action": action[:80]})
 
 
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}

@@ -47,8 +47,9 @@ class FrozenLake(TextEnv):
     action_format = "one move: U, D, L or R"
     alphabet = "PGO_UDLR "
 
-    def __init__(self, maps: int = 8, size: int = 4, holes: int = 3, map_seed: int = 0):
+    def __init__(self, maps: int = 8, size: int = 4, holes: int = 3, map_seed: int = 0, invalid_reward: float = 0.0):
         self.maps = frozenlake_maps(maps, size, holes, map_seed)
+        self.invalid_reward = invalid_reward
         self.grid: list[str] = []
         self.position = (0, 0)
 

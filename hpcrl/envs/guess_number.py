@@ -11,10 +11,11 @@ class GuessNumber(TextEnv):
     action_format = "a whole number"
     alphabet = "".join(sorted(set("0123456789- higher lower correct not a number guess")))
 
-    def __init__(self, low: int = 0, high: int = 15):
+    def __init__(self, low: int = 0, high: int = 15, invalid_reward: float = 0.0):
         if high < low:
             raise ValueError(f"guess_number: high {high} is below low {low}")
         self.low, self.high = low, high
+        self.invalid_reward = invalid_reward
         self.system_prompt = f"guess {low}-{high}"
         self.secret = low
 

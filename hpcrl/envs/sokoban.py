@@ -38,8 +38,9 @@ class Sokoban(TextEnv):
     action_format = "one move: U, D, L or R"
     alphabet = "#_TBXPQUDLR "
 
-    def __init__(self, size: int = 6, boxes: int = 1, pulls: int = 30):
+    def __init__(self, size: int = 6, boxes: int = 1, pulls: int = 30, invalid_reward: float = 0.0):
         self.size, self.boxes_count, self.pulls = size, boxes, pulls
+        self.invalid_reward = invalid_reward
         self.walls: set[tuple[int, int]] = set()
         self.targets: set[tuple[int, int]] = set()
         self.boxes: set[tuple[int, int]] = set()

@@ -19,7 +19,10 @@ from .tensorboard import scalar_value
 
 REPORT_FILE = "report.png"
 # Extra panels under the reward panel, drawn when the metric is present: (key, y label).
-PANELS: tuple[tuple[str, str], ...] = (("kl", "kl"), ("loss", "loss"), ("samples_per_s", "samples/s"))
+PANELS: tuple[tuple[str, str], ...] = (("kl", "kl"), ("loss", "loss"), ("samples_per_s", "samples/s"),
+                                       ("success_rate", "success rate"), ("turns", "turns per trajectory"),
+                                       ("tokens_per_turn", "tokens per turn"), ("env_s_per_turn", "env s per turn"),
+                                       ("trajectories_failed", "failed trajectories"))
 
 
 @dataclass(frozen=True)

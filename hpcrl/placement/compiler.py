@@ -430,11 +430,12 @@ def _check_batches(job: JobConfig, roles: dict[str, _Role]) -> None:
 def _check_context(job: JobConfig, shape: ModelShape) -> None:
     """A response must fit the model's context with room for a prompt (longer prompts are left out
     at load, with a count in the log)."""
-    if job.rollout.max_new_tokens >= shape.max_position_embeddings:
+    key = "env.max_tokens" if job.env is not None else "rollout.max_new_tokens"
+    if job.response_budget() >= shape.max_position_embeddings:
         raise PlacementError(
-            f"rollout.max_new_tokens: {job.rollout.max_new_tokens} new tokens leave no room for a prompt in the "
-            f"model's context of {shape.max_position_embeddings} positions (model.max_position_embeddings); lower "
-            "rollout.max_new_tokens or raise model.max_position_embeddings (up to what the model supports)")
+            f"{key}: {job.response_budget()} response tokens leave no room for a prompt in the model's context of "
+            f"{shape.max_position_embeddings} positions (model.max_position_embeddings); lower {key} or raise "
+            "model.max_position_embeddings (up to what the model supports)")
 
 
 def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:

@@ -39,7 +39,7 @@ shards = tp*pp.
   layers / pp layers for up to pp micro-batches in flight (1F1B). train.recompute keeps only
   each layer's input (bH per token, for the pp micro-batches in flight) plus one layer's
   activations.
-- Logits: rows x R x V / tp (R = rollout.max_new_tokens: the torch engines compute logits for
+- Logits: rows x R x V / tp (R = job.response_budget(), rollout.max_new_tokens or env.max_tokens: the torch engines compute logits for
   response positions only) in b, their gradient in b, and for one chunk of 16M elements (at
   least one position: rows x V) the fp32 log-softmax, its exp and its gradient (recomputed in the backward); megatron computes
   fp32 logits for all S positions (and their gradient) and keeps three vocab-wide fp32 tensors
@@ -300,7 +300,7 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
         activations = tokens * (layers * b * shape.hidden_size * parallel.pp + per_token)
     else:
         activations = tokens * layers * per_token * parallel.pp   # 1F1B: pp micro-batches in flight on stage 0
-    response = rows * (job.rollout.max_new_tokens + 1) * vocab
+    response = rows * (job.response_budget() + 1) * vocab
     if role == "critic":   # one fp32 value per position (and its gradient) instead of the vocabulary's logits
         logits = rows * context * 4 * 2
     elif megatron:   # fp32 logits of every position and their gradient; three fp32 tensors of the responses'

@@ -57,6 +57,7 @@ class Group:
     behaviour_logprobs: list[np.ndarray] = field(default_factory=list)  # per sample, float32
     token_versions: list[np.ndarray] = field(default_factory=list)      # per sample, int32: who sampled each token
     finished: np.ndarray | None = None                                  # per sample: the response has ended
+    loss_masks: list[np.ndarray] | None = None                          # per sample, bool: an env's trajectories
     rewards: np.ndarray | None = None                                   # per sample, float64, once scored
     codes: list[str] | None = None                                      # per sample: the reward's outcome code
 
@@ -74,8 +75,14 @@ class Group:
         self.token_versions = [np.zeros(0, np.int32) for _ in range(self.size)]
         self.finished = np.zeros(self.size, dtype=bool)
 
-    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, version: int) -> None:
-        """Append one round's tokens, sampled by weights of `version`, to a response."""
+    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, version: int,
+               loss_mask: np.ndarray | None = None) -> None:
+        """Append one round's tokens, sampled by weights of `version`, to a response. A trajectory's
+        `loss_mask` is 0 on the env's observation tokens (they are context, not the policy's)."""
+        if loss_mask is not None:
+            if self.loss_masks is None:
+                self.loss_masks = [np.ones(len(r), bool) for r in self.response_ids]
+            self.loss_masks[sample] = np.concatenate([self.loss_masks[sample], np.asarray(loss_mask, bool)])
         self.response_ids[sample] = np.concatenate([self.response_ids[sample], ids])
         self.behaviour_logprobs[sample] = np.concatenate([self.behaviour_logprobs[sample], logprobs])
         self.token_versions[sample] = np.concatenate([self.token_versions[sample],

@@ -20,9 +20,11 @@ from statistics import fmean
 
 import numpy as np
 
+from hpcrl.config.job import JobConfig
 from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
 from hpcrl.envs.base import StepResult, TextEnv
 from hpcrl.envs.host import EnvFailure, EnvPool
+from hpcrl.envs.registry import EnvSpec
 
 
 @dataclass(frozen=True)
@@ -266,3 +268,15 @@ def trajectory_metrics(trajectories: list[Trajectory], failures: Counter) -> dic
         "trajectories_aborted": float(sum(t.aborted for t in trajectories)),
         **{f"envs_{kind}": float(count) for kind, count in sorted(failures.items())},
     }
+
+
+def multi_turn_rollout(job: JobConfig, sampler: NativeSampler, tokenizer) -> MultiTurnRollout:
+    """A rollout rank's multi-turn rollout for the job's `env`: `env.workers` env processes, turns of
+    `rollout.max_new_tokens` tokens, the job's sampling settings."""
+    config, rollout = job.env, job.rollout
+    spec = EnvSpec(config.name, config.options)
+    turns = TurnFormat(lambda text: tokenizer.encode(text, add_bos=False), tokenizer.decode, tokenizer.bos_token_id)
+    params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+    return MultiTurnRollout(sampler, EnvPool(spec, config.workers, config.step_timeout_s), spec.build(), turns, params,
+                            config.max_turns, rollout.max_new_tokens, config.max_tokens,
+                            lockstep=rollout.batching == "lockstep")

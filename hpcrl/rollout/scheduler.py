@@ -175,15 +175,21 @@ class RolloutScheduler:
         self.counts["generated"] += len(groups) * self.group_size
         return groups
 
-    def finish_round(self, round_: Round, response_ids: Ragged, logprobs: Ragged, finished: np.ndarray) -> list[Group]:
+    def finish_round(self, round_: Round, response_ids: Ragged, logprobs: Ragged, finished: np.ndarray,
+                     loss_mask: Ragged | None = None, prompt_ids: Ragged | None = None) -> list[Group]:
         """Append a round's tokens to its responses; returns the groups whose responses have now all
-        ended (to be scored), in group order. Groups aborted meanwhile are left out."""
+        ended (to be scored), in group order. Groups aborted meanwhile are left out. An env round
+        (whole trajectories) also gives each row's loss mask and its group's first observation as
+        the prompt."""
         if round_ is not self.in_flight:
             raise RuntimeError(f"round {round_.index} of batch {round_.batch} is not the round in flight")
         self.in_flight = None
         touched: dict[int, Group] = {}
         for row, (group, sample) in enumerate(round_.samples):
-            group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]), round_.version)
+            if prompt_ids is not None:
+                group.prompt_ids = np.asarray(prompt_ids[row], np.int32)
+            group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]), round_.version,
+                         None if loss_mask is None else loss_mask[row])
             touched[group.group_id] = group
         return [g for _, g in sorted(touched.items()) if g.done and g.state is SampleState.GENERATING]
 
@@ -285,6 +291,8 @@ class RolloutScheduler:
             "response_ids": Ragged.from_arrays([g.response_ids[i] for g, i in rows], np.int32),
             "behaviour_logprobs": Ragged.from_arrays([g.behaviour_logprobs[i] for g, i in rows], np.float32),
             "token_versions": Ragged.from_arrays([g.token_versions[i] for g, i in rows], np.int32),
+            **({"loss_mask": Ragged.from_arrays([g.loss_masks[i] for g, i in rows], bool)}
+               if any(g.loss_masks is not None for g, _ in rows) else {}),
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
@@ -311,6 +319,8 @@ class RolloutScheduler:
             group.response_ids.append(np.array(buffer["response_ids"][row]))
             group.behaviour_logprobs.append(np.array(buffer["behaviour_logprobs"][row]))
             group.token_versions.append(np.array(buffer["token_versions"][row]))
+            if "loss_mask" in buffer:
+                group.loss_masks = (group.loss_masks or []) + [np.array(buffer["loss_mask"][row], bool)]
             group.finished[sample] = bool(buffer["finished"][row])
             if bool(buffer["scored"][row]):
                 if group.rewards is None:

@@ -132,7 +132,9 @@ class Controller:
         self.rollout_busy, self.train_busy = Busy(), Busy()
         self.times: dict[str, float] = {}
         self.kl_in_reward_coef = job.algorithm.kl_in_reward.coef   # adapted per step when a target is set
-        self._interrupts = job.rollout.partial_rollout and job.rollout.max_staleness > 0
+        # an env round plays whole trajectories: no round is cut for partial rollout
+        self._interrupts = job.rollout.partial_rollout and job.rollout.max_staleness > 0 and job.env is None
+        self.episode_stats: list[dict[str, np.ndarray]] = []   # env rounds' per-trajectory figures, per step
 
     def _prompts(self) -> tuple[dict[str, list], dict[str, list]]:
         """(training, evaluation) prompts by domain that fit the model's context with a whole
@@ -161,9 +163,14 @@ class Controller:
         if found is None:
             return
         self.residency.enter("rollout")
-        pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
-                                                  found.prompts(self.job.rollout.max_new_tokens), found.batch,
-                                                  found.index, False, self._interrupts)
+        if self.job.env is not None:   # an episode per row, from its group's env seed
+            rows = {"env_seed": np.array([int(g.answer) for g, _ in found.samples], np.int64),
+                    "group": np.array([g.group_id for g, _ in found.samples], np.int64)}
+            pending = self.groups["actor_infer"].call("play", Dispatch.DP_SPLIT, rows, found.batch, found.index)
+        else:
+            pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
+                                                      found.prompts(self.job.rollout.max_new_tokens), found.batch,
+                                                      found.index, False, self._interrupts)
         self.round = _InFlight(pending, time.perf_counter(), round=found)
         self.rollout_busy.start()
 
@@ -186,6 +193,9 @@ class Controller:
         result = flight.pending.value()
         self._add_time("rollout", time.perf_counter() - flight.started)
         started = time.perf_counter()
+        if self.job.env is not None:
+            self._finish_episodes(flight.round, result)
+            return
         done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
                                            result["finished"])
         if done:
@@ -196,6 +206,35 @@ class Controller:
             self.scoring.append(_InFlight(pending, started, groups=done))
             self._finish_scoring()   # scored here at once without reward workers
         self._add_time("reward", time.perf_counter() - started)
+
+    def _finish_episodes(self, round_, result: dict) -> None:
+        """An env round's trajectories are finished and rewarded by their envs: no scoring."""
+        done = self.scheduler.finish_round(round_, result["response_ids"], result["behaviour_logprobs"],
+                                           np.ones(len(result["rewards"]), bool), result["loss_mask"],
+                                           result["prompt_ids"])
+        row_of = {(g.group_id, i): row for row, (g, i) in enumerate(round_.samples)}
+        rows = [row_of[g.group_id, i] for g in done for i in range(g.size)]
+        self.scheduler.rewarded(done, result["rewards"][rows], [result["codes"][r] for r in rows])
+        self.episode_stats.append({k: result[k] for k in ("turns", "env_s")})
+
+    def _episode_metrics(self, groups) -> dict[str, float]:
+        """Success rate, turns and tokens per turn of the step's trajectories (a turn is a run of
+        generated tokens in the loss mask); env seconds per turn of the rounds played since the last
+        step; failed envs by kind."""
+        codes = [c for g in groups for c in g.codes]
+        masks = [m.astype(np.int8) for g in groups for m in g.loss_masks]
+        turns = np.array([int((np.diff(m, prepend=0) == 1).sum()) for m in masks])
+        metrics = {"success_rate": codes.count("success") / max(len(codes), 1),
+                   "turns": float(turns.mean()) if len(turns) else 0.0,
+                   "tokens_per_turn": float(sum(int(m.sum()) for m in masks)) / max(int(turns.sum()), 1),
+                   "trajectories_failed": float(sum(c.startswith("failed:") for c in codes))}
+        if self.episode_stats:
+            played = {k: np.concatenate([s[k] for s in self.episode_stats]) for k in ("turns", "env_s")}
+            metrics["env_s_per_turn"] = float(played["env_s"].sum()) / max(int(played["turns"].sum()), 1)
+            self.episode_stats = []
+        for code in sorted({c for c in codes if c.startswith("failed:")}):
+            metrics[f"envs_{code.split(':', 1)[1]}"] = float(codes.count(code))
+        return metrics
 
     def _finish_scoring(self) -> None:
         """Hand the groups whose scores have come back to the scheduler (the rest stay in flight)."""
@@ -220,6 +259,9 @@ class Controller:
         rewards = np.concatenate([g.rewards for g in groups])
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
         fresh = versions == step - 1   # sampled by the weights the trainer holds
+        # an env's trajectories: observation tokens are context, not the policy's (no loss, no log-prob)
+        loss_mask = (Ragged.from_arrays([m for g in groups for m in g.loss_masks], np.float32)
+                     if self.job.env is not None else None)
         # Sampled with the trainer's own parameters (and model code) at this version, the behaviour
         # log-probs are the old policy's: recomputing them would give the same numbers.
         recompute = not (self.shared_weights and fresh.all())
@@ -238,6 +280,9 @@ class Controller:
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
         found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef)
         train_batch = {**sequences, **columns, **found.columns}
+        if loss_mask is not None:
+            train_batch["loss_mask"] = loss_mask
+            fresh &= loss_mask.values > 0   # the log-prob gap below is over generated tokens
         metrics = {}
         # Tokens sampled by older weights are corrected (each by its own version's log-prob, when a
         # partial rollout's response spans versions); fresh ones too under mismatch correction.
@@ -268,6 +313,7 @@ class Controller:
             "lr": lr,
             **stats,
             **domain_metrics(groups),
+            **(self._episode_metrics(groups) if self.job.env is not None else {}),
         })
         if recompute:   # fresh tokens were sampled by the weights the trainer holds: their log-probs must agree
             metrics["rollout_logprob_gap_max"] = float(np.abs(old.values - behaviour.values)[fresh].max(initial=0.0))

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,8 @@ from hpcrl.engines.registry import generation_engine, training_engine
 from hpcrl.engines.torch_trainer import Samples
 from hpcrl.ragged import Batch
 from hpcrl.rewards import reward_specs, score_batch
+from hpcrl.rollout.episodes import play
+from hpcrl.rollout.multi_turn import MultiTurnRollout, multi_turn_rollout
 from hpcrl.runtime.faults import behaviour_shift, decode_delay_s
 from hpcrl.runtime.interrupts import round_stop
 from hpcrl.runtime.messages import TAG_ADDRESS
@@ -108,8 +111,8 @@ class ActorTrain(Resident):
         return None if logprobs is None else {"old_logprobs": logprobs}
 
     def train_step(self, batch: Batch, lr: float) -> Batch:
-        columns = {k: batch[k] for k in ("old_logprobs", "ref_logprobs", "advantages", "importance_weights")
-                   if k in batch}
+        columns = {k: batch[k] for k in ("old_logprobs", "ref_logprobs", "advantages", "importance_weights",
+                                         "loss_mask") if k in batch}
         metrics = self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns), lr)
         return {"metrics": [metrics]}
 
@@ -223,6 +226,7 @@ class ActorInfer(Resident):
                                                   max_num_seqs=job.rollout.max_num_seqs)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+        self.episodes: MultiTurnRollout | None = None   # an env job's, built at its first round
         self.receiver = WeightReceiver(getattr(self.engine, "landing_buffer", None))
         if ctx.sync_direct and ctx.sync_sources:   # a vLLM replica leader: connect its workers to every stage
             rank = dist.get_rank()
@@ -256,6 +260,16 @@ class ActorInfer(Resident):
         shift = behaviour_shift()   # 0 but in the mismatch tests
         logprobs = out.logprobs.with_values(out.logprobs.values + shift) if shift else out.logprobs
         return {"response_ids": out.response_ids, "behaviour_logprobs": logprobs, "finished": out.finished}
+
+    def play(self, batch: Batch, step: int, attempt: int = 0) -> Batch:
+        """An env round: a whole trajectory per row (hpcrl.rollout.episodes), its prompt the episode's
+        first observation, its response the actions and observations after it."""
+        env = self.job.env
+        if self.episodes is None:   # the env processes start with the first round
+            self.episodes = multi_turn_rollout(self.job, self.engine, self.ctx.tokenizer)
+        seeds = np.random.default_rng([self.job.seed, step, attempt, self.ctx.dp_index]).integers(
+            0, 2 ** 62, len(batch["env_seed"]))
+        return play(self.episodes, batch["env_seed"], batch["group"], seeds, env.group_redundancy)
 
     def receive_weights(self, digest: bool) -> str | None:
         """Load the pushed weights, every trainer stage at once, bucket by bucket; with `digest`, the

@@ -29,7 +29,7 @@ from hpcrl.engines.offload import model_state_tensors, release, restore
 from hpcrl.engines.megatron.packing import causal_mask, equal_micro_batches, pack
 from hpcrl.engines.micro_batches import micro_batching
 from hpcrl.engines.model_files import ModelFiles
-from hpcrl.engines.objective import combine_micro_metrics, policy_objective
+from hpcrl.engines.objective import combine_micro_metrics, policy_objective, trained_mask, trained_tokens
 from hpcrl.engines.megatron.vocab_parallel import vocab_parallel_logprobs
 from hpcrl.engines.resharding import GPTShape, gather_hf
 from hpcrl.engines.torch_trainer import Samples
@@ -168,9 +168,8 @@ class MegatronTrainer:
         logp, entropy = self._response_logprobs(mb, logits, with_entropy=True)
         if self.job.algorithm.entropy_coef == 0:
             entropy = entropy.detach()   # logged only: no graph through it
-        mask = mb["response_mask"]
-        loss, metrics = policy_objective(logp, entropy, mb, mask, self.job, tokens, sequences)
-        return loss, mask.sum().int(), metrics
+        loss, metrics = policy_objective(logp, entropy, mb, mb["response_mask"], self.job, tokens, sequences)
+        return loss, trained_mask(mb["response_mask"], mb).sum().int(), metrics
 
     @on_cpu_shim
     def train_step(self, samples: Samples, lr: float) -> dict[str, float]:
@@ -188,7 +187,7 @@ class MegatronTrainer:
                 minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
                                     {k: v.take(index) for k, v in samples.columns.items()})
                 loss_func = partial(self._policy_loss,
-                                    tokens=self._dp_sum(float(minibatch.response_ids.lengths.sum())),
+                                    tokens=self._dp_sum(trained_tokens(minibatch.response_ids, minibatch.columns)),
                                     sequences=int(self._dp_sum(float(len(index)))))
                 micro = self._micro_batches(minibatch)
                 self.model.zero_grad_buffer()

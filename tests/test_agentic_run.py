@@ -1,0 +1,61 @@
+"""Agentic RL through `hpcrl run`: an env job's trajectories are played by the rollout rank's env
+processes, trained with their observation tokens masked, checkpointed with the buffer of played
+trajectories and resumed bit for bit; envs that raise or hang fail their trajectories, counted,
+while the run goes on."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+from conftest import hpcrl
+
+from hpcrl.metrics import read_metrics
+
+SMALL = ["--set", "train.prompts_per_step=4", "--set", "algorithm.group_size=4", "--set", "log.tensorboard=false",
+         "--set", "log.check_weights=true", "--set", "env.workers=8"]
+
+
+def test_an_env_job_trains_on_masked_trajectories_and_resumes_its_buffer_bit_for_bit(tmp_path):
+    """max_staleness 1: the checkpoint after step 2 holds batch 3's trajectories, played ahead; a run
+    resumed from it trains step 3 on them exactly as the uninterrupted run did."""
+    straight = tmp_path / "straight"
+    args = ["run", "jobs/tiny_frozenlake.yaml", *SMALL, "--set", "rollout.max_staleness=1",
+            "--set", "checkpoint.every=2", "--set", "train.steps=3"]
+    result = hpcrl(*args, "--run-dir", str(straight), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(straight / "metrics.jsonl")
+    for m in metrics:
+        assert 0 <= m["success_rate"] <= 1 and m["trajectories_failed"] == 0
+        assert 1 <= m["turns"] <= 8 and 1 <= m["tokens_per_turn"] <= 2
+        # a response holds its actions and the observations after them: ~22 tokens a turn, not ~2
+        assert m["response_len"] > 5 * m["turns"]
+        assert m["rollout_logprob_gap_max"] < 1e-4, "the trainer agrees on the generated tokens only"
+    assert metrics[-1]["staleness_1"] > 0, "batch 3 was played ahead, with version 1"
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-3")
+    (resumed / "metrics.jsonl").write_text("".join(
+        line + "\n" for line in (straight / "metrics.jsonl").read_text().splitlines()[:2]))
+    result = hpcrl(*args, "--run-dir", str(resumed), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stderr + result.stdout
+    again = read_metrics(resumed / "metrics.jsonl")
+    assert [m["step"] for m in again] == [1, 2, 3]
+    assert again[-1]["digest_actor_train"] == metrics[-1]["digest_actor_train"]
+    assert again[-1]["success_rate"] == metrics[-1]["success_rate"]
+
+
+def test_envs_that_raise_or_hang_fail_their_trajectories_and_the_run_goes_on(tmp_path):
+    run_dir = tmp_path / "run"
+    result = hpcrl("run", "jobs/tiny_frozenlake.yaml", *SMALL, "--run-dir", str(run_dir), "--set", "train.steps=2",
+                   "--set", "env.name=tests.envs_for_tests:paced", "--set", "env.seeds=4",
+                   "--set", "env.options={length: 2, delay_s: 0.0, raise_seed: 1, hang_seed: 2}",
+                   "--set", "env.step_timeout_s=3", "--set", "env.max_turns=3", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    # every seed is drawn once per 4 groups: each step has one raising and one hanging group of 4
+    for m in metrics:
+        assert m["envs_raised"] == 4 and m["envs_hung"] == 4 and m["trajectories_failed"] == 8, m
+        assert np.isfinite(m["loss"])
