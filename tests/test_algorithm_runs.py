@@ -106,6 +106,31 @@ def test_the_reward_carries_the_kl_only_for_presets_that_put_it_there(name):
     assert with_ref.sequence_kl > 0
 
 
+@pytest.mark.parametrize("name", ["reinforce_pp", "grpo"])
+def test_observation_tokens_carry_no_kl_and_no_reward_into_the_advantages(name):
+    """An env's trajectory: what the reference thinks of the observation tokens (loss mask 0) moves
+    neither the KL in the reward nor the advantages of the generated tokens; the reward sits on the
+    last generated token even when an observation ends the response."""
+    from hpcrl.runtime.advantages import mean_kl, token_advantages
+
+    algo = load_job(TINY, [f"algorithm.name={name}", "algorithm.kl_in_reward.coef=0.1",
+                           "algorithm.kl_loss.coef=0"]).algorithm
+    old, ref, rewards, groups = _batch()
+    mask = old.with_values((np.arange(len(old.values)) % 3 != 1).astype(np.float32))
+    mask.values[old.offsets[1:] - 1] = 0   # every response ends with an observation token
+    observed = ~mask.values.astype(bool)
+    other_ref = ref.with_values(np.where(observed, ref.values - 3.0, ref.values).astype(np.float32))
+    runs = [token_advantages(algo, rewards, groups, old, r, None, 0.1, mask) for r in (ref, other_ref)]
+    generated = ~observed
+    assert np.array_equal(runs[0].columns["advantages"].values[generated],
+                          runs[1].columns["advantages"].values[generated])
+    assert runs[0].sequence_kl == runs[1].sequence_kl
+    assert mean_kl(old, ref, "k1", mask) == mean_kl(old, other_ref, "k1", mask)
+    if name == "reinforce_pp":   # the reward reaches the generated tokens despite the trailing observation
+        alone = token_advantages(algo, rewards, groups, old, None, None, 0.0, mask).columns["advantages"]
+        assert np.abs(alone.values[generated]).max() > 0
+
+
 def test_the_objective_adds_a_kl_loss_only_when_the_preset_has_one():
     from hpcrl.engines.batch import length_mask, right_pad
     from hpcrl.engines.objective import policy_objective

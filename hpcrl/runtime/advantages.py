@@ -29,12 +29,19 @@ class Advantages:
 
 
 def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np.ndarray, old_logprobs: Ragged,
-                     ref_logprobs: Ragged | None, values: Ragged | None, kl_in_reward_coef: float) -> Advantages:
-    """Advantages on every response token (on `old_logprobs`' rows); with gae also the returns."""
+                     ref_logprobs: Ragged | None, values: Ragged | None, kl_in_reward_coef: float,
+                     loss_mask: Ragged | None = None) -> Advantages:
+    """Advantages on every response token (on `old_logprobs`' rows); with gae also the returns.
+    With a `loss_mask` (an env's trajectories) only the policy's tokens count: the KL in the reward,
+    the discounted returns and the reward's place (the last generated token) skip the observations."""
     lengths = old_logprobs.lengths
     mask = length_mask(lengths)
+    if loss_mask is not None:
+        mask = mask * right_pad(loss_mask, 0.0, torch.float32, mask.shape[1])
     token_rewards = torch.zeros_like(mask)
-    last = torch.as_tensor(lengths - 1).clamp(min=0)
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(-1).values   # a row without a trained token: its end
+    last = torch.where(last >= 0, last, torch.as_tensor(lengths - 1).clamp(min=0))
     token_rewards[torch.arange(len(rewards)), last] = torch.as_tensor(rewards, dtype=torch.float32)
     sequence_kl = 0.0
     if ref_logprobs is not None:
@@ -59,7 +66,9 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
                        "returns": Ragged.from_padded(returns.numpy(), lengths)}, sequence_kl)
 
 
-def mean_kl(old_logprobs: Ragged, ref_logprobs: Ragged, estimator: str) -> float:
-    """The token-mean KL of the policy that generated the batch from the reference (for the logs)."""
+def mean_kl(old_logprobs: Ragged, ref_logprobs: Ragged, estimator: str, loss_mask: Ragged | None = None) -> float:
+    """The token-mean KL of the policy that generated the batch from the reference (for the logs),
+    over the tokens the loss counts."""
     values = kl_penalty(torch.from_numpy(old_logprobs.values), torch.from_numpy(ref_logprobs.values), estimator)
-    return float(values.sum() / max(1, len(values)))
+    weights = torch.from_numpy(loss_mask.values) if loss_mask is not None else torch.ones_like(values)
+    return float((values * weights).sum() / max(1.0, float(weights.sum())))

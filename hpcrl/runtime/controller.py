@@ -278,7 +278,8 @@ class Controller:
             columns.update(result)
         self._add_time("logprobs", time.perf_counter() - started)
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
-        found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef)
+        found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef,
+                                 loss_mask)
         train_batch = {**sequences, **columns, **found.columns}
         if loss_mask is not None:
             train_batch["loss_mask"] = loss_mask
@@ -305,7 +306,7 @@ class Controller:
             "reward_mean": fmean(rewards),
             "reward_std": pstdev(rewards),
             "accuracy": float(np.mean(rewards == 1.0)),
-            "kl": mean_kl(old, ref, algo.kl_loss.estimator) if ref is not None else 0.0,
+            "kl": mean_kl(old, ref, algo.kl_loss.estimator, loss_mask) if ref is not None else 0.0,
             "kl_in_reward_coef": self.kl_in_reward_coef,
             "sequence_kl": found.sequence_kl,
             "response_len": float(lengths.mean()),
