@@ -320,7 +320,8 @@ class RolloutScheduler:
             group.behaviour_logprobs.append(np.array(buffer["behaviour_logprobs"][row]))
             group.token_versions.append(np.array(buffer["token_versions"][row]))
             if "loss_mask" in buffer:
-                group.loss_masks = (group.loss_masks or []) + [np.array(buffer["loss_mask"][row], bool)]
+                group.loss_masks = group.loss_masks if group.loss_masks is not None else []
+                group.loss_masks.append(np.array(buffer["loss_mask"][row], bool))
             group.finished[sample] = bool(buffer["finished"][row])
             if bool(buffer["scored"][row]):
                 if group.rewards is None:

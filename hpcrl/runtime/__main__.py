@@ -47,8 +47,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _load_on_controller(args: argparse.Namespace):
     """Rank 0 reads and validates the files and compiles the plan; the others receive the result."""
     from hpcrl.config import load_job, load_profile
-    from hpcrl.config.constants import EXIT_REFUSED
-    from hpcrl.launch.lock import RunLockError
     from hpcrl.placement import compile_plan
     from hpcrl.runtime.layout import world_layout
 
@@ -62,16 +60,10 @@ def _load_on_controller(args: argparse.Namespace):
                 raise SystemExit(f"hpcrl: the plan needs {layout.world_size} ranks (1 controller + "
                                  f"{layout.world_size - 1} workers) but {COMM.Get_size()} were started")
             payload = (job, profile, layout)
-        except RunLockError as exc:   # nothing to retry: every rank ends with EXIT_REFUSED, unaborted
-            payload = SystemExit(f"hpcrl: {exc}")
         except BaseException:
             payload = traceback.format_exc()
     barrier()   # the workers sleep while the controller works (a blocking bcast would spin)
     payload = COMM.bcast(payload, root=CONTROLLER)
-    if isinstance(payload, SystemExit):   # (an abort would end under srun as 137, the killed peers' code)
-        if COMM.Get_rank() == CONTROLLER:
-            print(payload.code, file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_REFUSED)
     if isinstance(payload, str):
         if COMM.Get_rank() == CONTROLLER:
             abort(f"hpcrl: the controller could not start:\n{payload}")
@@ -82,10 +74,14 @@ def _load_on_controller(args: argparse.Namespace):
 def _hold_run_dir(run_dir: Path) -> None:
     """The controller makes sure the run directory is this run's: `hpcrl run` and `hpcrl submit` took
     its lock for these ranks (their token is in the environment); a rank started by hand takes it
-    now. Held by another live run: RunLockError (the run is refused: nothing to retry)."""
-    from hpcrl.launch.lock import TOKEN_ENV, Holder, acquire, slurm_job_key
+    now. Held by another live run: refuse, with EXIT_REFUSED (nothing to retry)."""
+    from hpcrl.config.constants import EXIT_REFUSED
+    from hpcrl.launch.lock import TOKEN_ENV, Holder, RunLockError, acquire, slurm_job_key
 
-    note = acquire(run_dir, Holder.here("job", slurm_job_key(), os.environ.get(TOKEN_ENV)))
+    try:
+        note = acquire(run_dir, Holder.here("job", slurm_job_key(), os.environ.get(TOKEN_ENV)))
+    except RunLockError as exc:
+        abort(f"hpcrl: {exc}", EXIT_REFUSED)
     if note:
         print(f"hpcrl: {note}", file=sys.stderr, flush=True)
 
@@ -172,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 code = controller.run()
             except (RefusedError, ConfigMismatchError) as exc:   # nothing a restart would change
-                # every rank ends normally, so that the launcher's exit code is EXIT_REFUSED (an abort
-                # ends under srun as 137, the killed peers', and a batch script would retry it)
-                print(f"hpcrl: {exc}", file=sys.stderr, flush=True)
-                code = EXIT_REFUSED
+                abort(f"hpcrl: {exc}", EXIT_REFUSED)
             controller.shutdown()
         else:
             from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
