@@ -99,3 +99,20 @@ def test_a_rank_killed_under_srun_is_named_and_the_job_restarts_from_its_checkpo
     assert seconds < 20, f"the world ended {seconds:.0f} s after the kill"
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, 13))
 
+
+
+def test_a_run_that_cannot_resume_is_refused_once_and_not_retried(slurm_env, tmp_path):
+    """A refusal is not a failure. srun gives the step the exit code of the peers the refusal's abort
+    killed (137 or 143), so the controller leaves RUN_DIR/ranks/refused-<job id> and the batch script,
+    reading it, neither restarts nor requeues the run and ends with 97."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.0}) + "\n" for s in (1, 2)))
+    job, result = submit(run_dir, slurm_env, 4)
+    assert job, result.stdout + result.stderr
+    (info,) = wait_job(job, slurm_env, timeout=300, poll=0.5)
+    log = log_of(run_dir)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "97:0" and info["Restarts"] == "0", log
+    assert "holds a run (metrics of 2 step(s)) but no checkpoint it can resume from" in log
+    assert "the ranks refused to start" in log and "restart 1 of" not in log
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [1, 2], "the run's metrics are kept"

@@ -6,5 +6,8 @@ EXIT_REFUSED = 97   # refused to start (the run directory is held, or would be o
 EXIT_HUNG = 96      # a rank stopped answering (hung or dead) and the world was aborted: a failure to restart
 
 RANK_EXITS_DIR = "ranks"   # RUN_DIR/ranks/rank-N.exit.json: how a rank ended, by its supervisor (runtime/supervisor.py)
+# RUN_DIR/ranks/refused-<Slurm job id>: the controller refused the start. srun gives the step the exit code of the
+# peers the abort killed (137, 143), not 97, so the batch script reads this to know a refusal from a failure.
+REFUSED_MARKER = "refused-"
 # Elements of the fp32 log-softmax computed at once (engines/batch.py; the memory estimate counts it): 64 MB.
 LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 24

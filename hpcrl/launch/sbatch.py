@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import jinja2
 
 from hpcrl.config import REPO_ROOT, ClusterProfile, ConfigError
-from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
+from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR, REFUSED_MARKER
 from hpcrl.launch.lock import TOKEN_ENV
 from hpcrl.placement import Plan
 
@@ -175,5 +175,5 @@ def render_script(spec: ScriptSpec) -> str:
         run_root=str(spec.run_root), workdir=str(spec.workdir), output=str(spec.output), array=spec.array,
         script_path=str(spec.run_root / SCRIPT_NAME), warning_signals=warning_signals(profile.slurm.signal),
         container_mounts=mounts, mpiexec=spec.mpiexec, command=shell_command(command), lock_token=spec.lock_token,
-        lock_env=TOKEN_ENV, python=spec.python, rank_exits_dir=RANK_EXITS_DIR,
+        lock_env=TOKEN_ENV, python=spec.python, rank_exits_dir=RANK_EXITS_DIR, refused_marker=REFUSED_MARKER,
     )

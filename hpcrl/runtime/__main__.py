@@ -71,17 +71,32 @@ def _load_on_controller(args: argparse.Namespace):
     return payload
 
 
+def _refuse(run_dir: Path, message: str) -> None:
+    """End the world with EXIT_REFUSED: nothing a restart would change. Under Slurm, first leave
+    RUN_DIR/ranks/refused-<job id> for the batch script, which srun's exit code (that of the peers
+    the abort killed) would otherwise tell it a failure to retry."""
+    from hpcrl.config.constants import EXIT_REFUSED, RANK_EXITS_DIR, REFUSED_MARKER
+
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if job_id.isdigit():
+        try:
+            (run_dir / RANK_EXITS_DIR).mkdir(parents=True, exist_ok=True)
+            (run_dir / RANK_EXITS_DIR / f"{REFUSED_MARKER}{job_id}").write_text(message + "\n")
+        except OSError:
+            pass   # the refusal itself must not fail: the exit code still says it outside srun
+    abort(message, EXIT_REFUSED)
+
+
 def _hold_run_dir(run_dir: Path) -> None:
     """The controller makes sure the run directory is this run's: `hpcrl run` and `hpcrl submit` took
     its lock for these ranks (their token is in the environment); a rank started by hand takes it
     now. Held by another live run: refuse, with EXIT_REFUSED (nothing to retry)."""
-    from hpcrl.config.constants import EXIT_REFUSED
     from hpcrl.launch.lock import TOKEN_ENV, Holder, RunLockError, acquire, slurm_job_key
 
     try:
         note = acquire(run_dir, Holder.here("job", slurm_job_key(), os.environ.get(TOKEN_ENV)))
     except RunLockError as exc:
-        abort(f"hpcrl: {exc}", EXIT_REFUSED)
+        _refuse(run_dir, f"hpcrl: {exc}")
     if note:
         print(f"hpcrl: {note}", file=sys.stderr, flush=True)
 
@@ -159,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
             from hpcrl.runtime.controller import Controller
 
             from hpcrl.checkpoint import ConfigMismatchError
-            from hpcrl.config.constants import EXIT_REFUSED
             from hpcrl.runtime.checkpointing import RefusedError
 
             controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, args.restart,
@@ -168,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 code = controller.run()
             except (RefusedError, ConfigMismatchError) as exc:   # nothing a restart would change
-                abort(f"hpcrl: {exc}", EXIT_REFUSED)
+                _refuse(Path(args.run_dir), f"hpcrl: {exc}")
             controller.shutdown()
         else:
             from hpcrl.runtime.roles import ROLE_CLASSES, RoleContext
