@@ -16,10 +16,12 @@ SMALL = ["--set", "train.prompts_per_step=4", "--set", "algorithm.group_size=4",
 
 
 def test_an_env_job_trains_on_masked_trajectories_and_resumes_its_buffer_bit_for_bit(tmp_path):
-    """max_staleness 1: the checkpoint after step 2 holds batch 3's trajectories, played ahead; a run
-    resumed from it trains step 3 on them exactly as the uninterrupted run did."""
+    """max_staleness 1: the checkpoint after step 2 holds batch 3's trajectories, played ahead (with
+    their turns' rewards, which GiGPO's step advantages discount); a run resumed from it trains step 3
+    on them exactly as the uninterrupted run did."""
     straight = tmp_path / "straight"
     args = ["run", "jobs/tiny_frozenlake.yaml", *SMALL, "--set", "rollout.max_staleness=1",
+            "--set", "algorithm.name=gigpo",
             "--set", "checkpoint.every=2", "--set", "train.steps=3"]
     result = hpcrl(*args, "--run-dir", str(straight), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]

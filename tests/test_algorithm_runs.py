@@ -25,6 +25,7 @@ FAST = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", 
 CRITIC = ["--set", "roles.critic.engine=torch", "--set", "roles.critic.colocate_with=actor_train"]
 PPO = ["--set", "algorithm.name=ppo", *CRITIC, "--set", "train.lr_schedule=constant"]   # lr not tied to train.steps
 SHIFT = 0.5
+PROMPT_PRESETS = [n for n in PRESETS if n not in ("ppo", "gigpo")]   # ppo needs a critic, gigpo an env's turns
 
 
 def train(run_dir, steps: int, *extra: str, env: dict | None = None) -> list[dict]:
@@ -34,7 +35,7 @@ def train(run_dir, steps: int, *extra: str, env: dict | None = None) -> list[dic
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "ppo"])
+@pytest.mark.parametrize("name", PROMPT_PRESETS)
 def test_every_preset_trains_the_tiny_job_with_its_kl_in_one_place(tmp_path, name):
     metrics = train(tmp_path, 2, "--set", f"algorithm.name={name}")
     algo = load_job(TINY, [f"algorithm.name={name}"]).algorithm
@@ -93,7 +94,7 @@ def _batch(seed: int = 0):
     return old, ref, rewards, np.repeat(np.arange(2), 4)
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "ppo"])
+@pytest.mark.parametrize("name", PROMPT_PRESETS)
 def test_the_reward_carries_the_kl_only_for_presets_that_put_it_there(name):
     from hpcrl.runtime.advantages import token_advantages
 
@@ -157,3 +158,44 @@ def test_actor_reference_and_critic_all_on_deepspeed_share_their_ranks(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["value_loss"] > 0 for m in metrics)
     assert metrics[-1]["sequence_kl"] > 0, "the reference stays the initial policy while the actor moves"
+
+
+def test_gigpo_finds_the_turns_and_states_in_the_tokens_and_rewards_each_turns_actions():
+    """Turns are the runs of generated tokens; a turn's state is the group's prompt (first turn) or the
+    observation before it, equal only within a group. Each turn's advantage lands on its actions."""
+    from hpcrl.runtime.advantages import token_advantages
+    from hpcrl.runtime.turns import Turns
+
+    prompts = Ragged.from_rows([np.array([1, 5])] * 3, np.int32)
+    # sample 0 sees the observation (9, 9) twice: turns 1 and 2 act from one state; samples 0 and 1
+    # start from the same prompt in group 0; sample 2 has sample 1's tokens but is group 1's
+    responses = Ragged.from_rows([np.array([7, 9, 9, 8, 9, 9, 7]), np.array([8, 9, 9, 8]),
+                                  np.array([8, 9, 9, 8])], np.int32)
+    masks = Ragged.from_rows([np.array([1, 0, 0, 1, 0, 0, 1]), np.array([1, 0, 0, 1]), np.array([1, 0, 0, 1])],
+                             np.float32)
+    groups = np.array([0, 0, 1])
+    turns = Turns.of(prompts, responses, masks, torch.as_tensor(groups))
+    assert turns.mask.tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 0]]
+    s = turns.states
+    assert s[0, 1] == s[0, 2] == s[1, 1] and s[0, 0] == s[1, 0]
+    assert len({int(s[0, 0]), int(s[0, 1]), int(s[2, 0]), int(s[2, 1])}) == 4
+    assert turns.token_turn.tolist() == [[0, -1, -1, 1, -1, -1, 2], [0, -1, -1, 1, -1, -1, -1],
+                                         [0, -1, -1, 1, -1, -1, -1]]
+
+    algo = load_job("jobs/tiny_frozenlake.yaml", ["algorithm.name=gigpo", "algorithm.kl_loss.coef=0"]).algorithm
+    turn_rewards = Ragged.from_rows([np.array([0, 0, 0, 0, 0, 0, 1]), np.zeros(4), np.array([0, 0, 0, 1])],
+                                    np.float32)
+    old = responses.with_values(np.full(len(responses.values), -1.0, np.float32))
+    rewards = np.array([1.0, 0.0, 1.0])
+    found = token_advantages(algo, rewards, groups, old, None, None, 0.0, masks, turn_rewards, prompts, responses)
+    advantages = found.columns["advantages"]
+    for row in range(3):
+        assert (advantages[row][np.asarray(masks[row]) == 0] == 0).all(), "observations get no advantage"
+    # group 0, gamma 0.95: episode 1 vs 0 -> +-1/sqrt2. Returns: sample 0 (0.9025, 0.95, 1), sample 1 (0, 0).
+    # The prompt's turns compare 0.9025 with 0: +-1/sqrt2. The state (9, 9)'s three turns 0.95, 1, 0:
+    # mean 0.65, unbiased std sqrt(0.3175) -> 0.5324, 0.6211, -1.1536. Sample 2 is alone in group 1: 0.
+    h = 1 / np.sqrt(2)
+    std = np.sqrt(0.3175)
+    assert np.allclose(advantages[0][[0, 3, 6]], [2 * h, h + 0.3 / std, h + 0.35 / std], atol=1e-4)
+    assert np.allclose(advantages[1][[0, 3]], [-2 * h, -h - 0.65 / std], atol=1e-4)
+    assert np.allclose(advantages[2], 0.0)

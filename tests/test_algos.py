@@ -17,6 +17,7 @@ from hpcrl.algos import (
     clipped_value_loss,
     discounted_returns,
     gae_advantages,
+    gigpo_advantages,
     grpo_advantages,
     gspo_loss,
     kl_penalty,
@@ -95,6 +96,19 @@ def test_reinforce_pp_discounts_then_whitens_over_batch():
     r5 = math.sqrt(5)
     adv = reinforce_pp_advantages(rewards, mask, gamma=0.5)
     close(adv, [[-1.6 * r5 / 3, -0.2 * r5, 1.4 * r5 / 3], [-0.2 * r5, 1.4 * r5 / 3, 0.0]])
+
+
+def test_gigpo_adds_a_step_advantage_among_turns_from_the_same_state():
+    # group 0: A acts from states (P, s1), rewards (0, 1); B from (P, s1, s2), rewards (0, 0, 0); gamma 1/2.
+    # episode: rewards 1 vs 0 -> +-1/sqrt2 (deviation 1/2, unbiased std 1/sqrt2).
+    # returns: A (1/2, 1), B (0, 0, 0); state P compares 1/2 with 0, s1 1 with 0: +-1/sqrt2 each;
+    # s2 is B's alone: 0. Weight 1/2. Group 1 is one trajectory: nothing to compare, 0 everywhere.
+    rewards = t([0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0])
+    mask = t([1, 1, 0], [1, 1, 1], [1, 0, 0])
+    states = torch.tensor([[0, 1, 0], [0, 1, 2], [3, 0, 0]])
+    h = 1 / math.sqrt(2)
+    adv = gigpo_advantages(rewards, mask, states, torch.tensor([0, 0, 1]), gamma=0.5, step_weight=0.5)
+    close(adv, [[1.5 * h, 1.5 * h, 0.0], [-1.5 * h, -1.5 * h, -h], [0.0, 0.0, 0.0]])
 
 
 def test_gae_small_case():

@@ -163,13 +163,16 @@ def test_each_preset_puts_its_kl_in_one_place_and_only_with_a_reference(tmp_path
     (["algorithm.name=gspo", "algorithm.dual_clip_c=3"],
      "algorithm: dual_clip_c applies to policy_loss ppo_clip, not 'gspo'"),
     (["algorithm.name=rloo", "algorithm.normalize_std=false"],
-     "algorithm: normalize_std applies to advantage grpo, not 'rloo'"),
+     "algorithm: normalize_std applies to advantage grpo or gigpo, not 'rloo'"),
     (["algorithm.lam=0.9"], "algorithm: lam applies to advantage gae, not 'grpo'"),
     (["algorithm.kl_coef=0.1"], "algorithm: kl_coef: the KL now goes in one of two places"),
     (["algorithm.dual_clip_c=1"], "dual_clip_c: 1.0 must exceed 1"),
     (["algorithm.name=grpo", "roles.critic.engine=torch"], "roles.critic: only algorithm.advantage gae uses a critic"),
     (["rollout.batching=lockstep", "roles.actor_infer.engine=vllm"],
      "rollout.batching: lockstep is the native sampler's baseline mode, and roles.actor_infer.engine is 'vllm'"),
+    (["algorithm.advantage=gigpo"], "algorithm.advantage: gigpo compares the turns of env trajectories that acted "
+                                    "from the same state; a job without an env section"),
+    (["algorithm.step_advantage_weight=0.5"], "step_advantage_weight applies to advantage gigpo, not 'grpo'"),
 ])
 def test_an_option_that_does_not_apply_is_refused_by_key(tmp_path, overrides, message):
     assert message in error_of(write(tmp_path, GOOD), overrides)

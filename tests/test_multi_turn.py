@@ -40,10 +40,15 @@ def test_observations_are_masked_and_actions_keep_their_sampling_logprobs():
     assert sum(len(t.turn_tokens) for t in trajectories) > len(trajectories), "some went past one turn"
     replay = spec.build()
     for t in trajectories:
-        ids, mask, logprobs = t.tokens()
+        ids, mask, logprobs, rewards = t.tokens()
         assert t.prompt_ids.tolist() == rollout.turns.first(replay, replay.reset(t.request.env_seed)).tolist()
         assert len(ids) == len(mask) == len(logprobs)
         assert (logprobs[mask] < 0).all() and (logprobs[~mask] == 0).all()
+        # each turn's reward sits on the last token of its action, nowhere else
+        action_ends = np.cumsum([len(p) for p in t.response_ids])[[i for i, m in enumerate(t.loss_mask) if m.all()]] - 1
+        expected = np.zeros(len(ids), np.float32)
+        expected[action_ends[:len(t.step_rewards)]] = t.step_rewards
+        assert rewards.tolist() == expected.tolist() and rewards.sum() == t.reward
         pieces = iter(zip(t.response_ids, t.loss_mask))
         for turn, (action, action_mask) in enumerate(pieces):
             assert action_mask.all() and len(action) == t.turn_tokens[turn]

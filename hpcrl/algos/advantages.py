@@ -1,4 +1,4 @@
-"""Advantage estimators: sequence-level (GRPO, RLOO) and token-level (REINFORCE++, GAE).
+"""Advantage estimators: sequence-level (GRPO, RLOO), turn-level (GiGPO) and token-level (REINFORCE++, GAE).
 
 All run without autograd: advantages are constants to the policy loss. Token-level tensors are
 [N, T] with a response mask; a masked position inside a response (e.g. an environment
@@ -100,11 +100,34 @@ def gae_advantages(
     return masked_whiten(advantages, response_mask), returns
 
 
+@torch.no_grad()
+def gigpo_advantages(
+    turn_rewards: Tensor, turn_mask: Tensor, turn_states: Tensor, group_index: Tensor, gamma: float = 0.95,
+    step_weight: float = 1.0, normalize_std: bool = True,
+) -> Tensor:
+    """GiGPO (Feng et al. 2025): a trajectory-level plus a step-level relative advantage per turn, [N, K].
+
+    The episode part is GRPO's over each trajectory's summed reward (``group_index``, trajectories
+    from one initial state). The step part groups the turns of a group that acted from the same
+    state (``turn_states``: equal ids mean the same state of the same group; the caller makes them
+    so) and compares their discounted returns ``G_k = r_k + gamma G_{k+1}`` the GRPO way, so an
+    action is credited against the other actions taken from that very state. A state visited
+    once gets no step advantage. ``A = A_episode + step_weight * A_step`` on valid turns, 0 elsewhere.
+    """
+    valid = turn_mask.bool()
+    episode = grpo_advantages((turn_rewards * turn_mask).sum(-1), group_index, normalize_std=normalize_std)
+    returns = discounted_returns(turn_rewards, turn_mask, gamma)
+    step = torch.zeros_like(turn_rewards)
+    step[valid] = grpo_advantages(returns[valid], turn_states[valid], normalize_std=normalize_std)
+    return torch.where(valid, episode[:, None] + step_weight * step, torch.zeros_like(step))
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor | tuple[Tensor, Tensor]]] = {
     "grpo": grpo_advantages,
     "rloo": rloo_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "gae": gae_advantages,
+    "gigpo": gigpo_advantages,
 }
 
 

@@ -30,6 +30,10 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
     "reinforce_pp": ({"advantage": "reinforce_pp", "policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2,
                       "loss_agg": "token-mean", "kl_in_reward": {"coef": 0.001, "estimator": "k1"}},
                      "Hu 2025 (REINFORCE++)"),
+    "gigpo": ({"advantage": "gigpo", "normalize_std": True, "gamma": 0.95, "step_advantage_weight": 1.0,
+               "policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "loss_agg": "seq-mean-token-mean",
+               "kl_loss": {"coef": 0.001, "estimator": "k3"}},
+              "Feng et al. 2025 (GiGPO: group-in-group policy optimization for LLM agents)"),
     "gspo": ({"advantage": "grpo", "normalize_std": True, "policy_loss": "gspo", "clip_low": 3e-4,
               "clip_high": 4e-4, "loss_agg": "seq-mean-token-mean"},
              "Zheng et al. 2025 (GSPO)"),
@@ -40,9 +44,10 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
 
 # option -> (the setting it belongs to, the values of that setting it applies to)
 _APPLIES_TO = {
-    "normalize_std": ("advantage", ("grpo",)),
+    "normalize_std": ("advantage", ("grpo", "gigpo")),
     "dual_clip_c": ("policy_loss", ("ppo_clip",)),
-    "gamma": ("advantage", ("gae", "reinforce_pp")),
+    "gamma": ("advantage", ("gae", "reinforce_pp", "gigpo")),
+    "step_advantage_weight": ("advantage", ("gigpo",)),
     "lam": ("advantage", ("gae",)),
     "value_clip": ("advantage", ("gae",)),
     "critic_warmup_steps": ("advantage", ("gae",)),

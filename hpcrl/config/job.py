@@ -169,13 +169,18 @@ class KLRewardConfig(Schema):
 class AlgorithmConfig(Schema):
     """`name` picks a preset (hpcrl.config.algorithms.PRESETS); every other field overrides it."""
 
-    name: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo", "cispo"] = "grpo"
+    name: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gigpo", "gspo", "cispo"] = "grpo"
     group_size: PositiveInt = Field(8, description="responses sampled per prompt")
-    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp", "gigpo"] = Field(
         "grpo", description="gae needs roles.critic; grpo and rloo compare the responses of a prompt; reinforce_pp "
-                            "whitens returns over the batch")
-    normalize_std: bool = Field(True, description="advantage grpo: divide by the group's std (false: Dr. GRPO)")
-    gamma: Annotated[float, Field(ge=0, le=1)] = Field(1.0, description="advantage gae and reinforce_pp: discount")
+                            "whitens returns over the batch; gigpo (env jobs) adds to grpo's trajectory advantage "
+                            "a step advantage among the turns of a group that acted from the same state")
+    normalize_std: bool = Field(True, description="advantage grpo and gigpo: divide by the group's std (false: Dr. "
+                                                  "GRPO)")
+    gamma: Annotated[float, Field(ge=0, le=1)] = Field(1.0, description="advantage gae, reinforce_pp and gigpo: "
+                                                       "discount (gigpo's per turn)")
+    step_advantage_weight: NonNegativeFloat = Field(1.0, description="advantage gigpo: the step advantage's weight "
+                                                    "(omega) next to the trajectory's")
     lam: Annotated[float, Field(ge=0, le=1)] = Field(0.95, description="advantage gae: GAE's lambda")
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = Field(
         "ppo_clip", description="ppo_clip: per-token clipped ratio; gspo: clipped sequence ratio; cispo: REINFORCE "
@@ -414,6 +419,9 @@ class JobConfig(Schema):
                              "(an environment)")
         if self.env is not None:
             self._check_env()
+        elif self.algorithm.advantage == "gigpo":
+            raise ValueError("algorithm.advantage: gigpo compares the turns of env trajectories that acted from the "
+                             "same state; a job without an env section has one turn per response; use grpo")
         self._check_domains()
         for name, role in self.roles.items():
             allowed = ROLE_ENGINES[name]
@@ -454,7 +462,7 @@ class JobConfig(Schema):
                              "use engine: native")
         if self.algorithm.advantage == "gae":
             raise ValueError("algorithm.advantage: gae over multi-turn trajectories (a value per token, across "
-                             "observations) is not implemented; use a group advantage (grpo, rloo, reinforce_pp): "
+                             "observations) is not implemented; use a group advantage (grpo, rloo, reinforce_pp, gigpo): "
                              "a group is the trajectories of one env seed")
         if self.rollout.max_round_s is not None:
             raise ValueError("rollout.max_round_s: env rounds play every trajectory to its end (an episode is "

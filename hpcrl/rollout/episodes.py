@@ -6,6 +6,8 @@ trajectory (actions and observations) is its response, with a loss mask that is 
 tokens. With `redundancy`, each group starts that many extra trajectories and keeps the first to
 finish. A trajectory whose env failed (hung, raised, died) keeps its row with reward 0, a mask of
 zeros (it trains nothing) and the code `failed:<kind>`; the others get `success` or `failure`.
+Each turn's reward also sits on the last token of its action (`token_rewards`), for the step-level
+advantages and discounted returns.
 """
 from __future__ import annotations
 
@@ -41,13 +43,14 @@ def play(rollout: MultiTurnRollout, env_seeds: np.ndarray, groups: np.ndarray, s
         kept = chosen[group][:len(rows)]
         prompt = next((t.prompt_ids for t in kept if len(t.prompt_ids)), bos)
         for t in kept:
-            ids, mask, logprobs = t.tokens()
+            ids, mask, logprobs, token_rewards = t.tokens()
             if t.failure is not None:
-                mask = np.zeros_like(mask)
+                mask, token_rewards = np.zeros_like(mask), np.zeros_like(token_rewards)
             columns["prompt_ids"].append(prompt)
             columns["response_ids"].append(ids)
             columns["loss_mask"].append(mask)
             columns["behaviour_logprobs"].append(logprobs)
+            columns["token_rewards"].append(token_rewards)
             columns["rewards"].append(0.0 if t.failure is not None else t.reward)
             columns["codes"].append(f"failed:{t.failure.split(':')[0]}" if t.failure is not None
                                     else "success" if t.success else "failure")
@@ -56,7 +59,7 @@ def play(rollout: MultiTurnRollout, env_seeds: np.ndarray, groups: np.ndarray, s
     order = np.argsort(np.concatenate([rows for rows in rows_of.values()]), kind="stable")
     out: Batch = {name: Ragged.from_arrays([columns[name][i] for i in order], dtype)
                   for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("loss_mask", bool),
-                                      ("behaviour_logprobs", np.float32))}
+                                      ("behaviour_logprobs", np.float32), ("token_rewards", np.float32))}
     out["rewards"] = np.array(columns["rewards"], np.float64)[order]
     out["codes"] = [columns["codes"][i] for i in order]
     for name, dtype in (("turns", np.int32), ("env_s", np.float64)):

@@ -58,6 +58,7 @@ class Group:
     token_versions: list[np.ndarray] = field(default_factory=list)      # per sample, int32: who sampled each token
     finished: np.ndarray | None = None                                  # per sample: the response has ended
     loss_masks: list[np.ndarray] | None = None                          # per sample, bool: an env's trajectories
+    token_rewards: list[np.ndarray] | None = None                       # per sample, float32: an env's turn rewards
     rewards: np.ndarray | None = None                                   # per sample, float64, once scored
     codes: list[str] | None = None                                      # per sample: the reward's outcome code
 
@@ -76,13 +77,15 @@ class Group:
         self.finished = np.zeros(self.size, dtype=bool)
 
     def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, version: int,
-               loss_mask: np.ndarray | None = None) -> None:
+               loss_mask: np.ndarray | None = None, token_rewards: np.ndarray | None = None) -> None:
         """Append one round's tokens, sampled by weights of `version`, to a response. A trajectory's
-        `loss_mask` is 0 on the env's observation tokens (they are context, not the policy's)."""
-        if loss_mask is not None:
-            if self.loss_masks is None:
-                self.loss_masks = [np.ones(len(r), bool) for r in self.response_ids]
-            self.loss_masks[sample] = np.concatenate([self.loss_masks[sample], np.asarray(loss_mask, bool)])
+        `loss_mask` is 0 on the env's observation tokens (they are context, not the policy's), and its
+        `token_rewards` hold each turn's reward on the last token of its action."""
+        for name, values, dtype in (("loss_masks", loss_mask, bool), ("token_rewards", token_rewards, np.float32)):
+            if values is not None:
+                if getattr(self, name) is None:
+                    setattr(self, name, [np.zeros(len(r), dtype) for r in self.response_ids])
+                getattr(self, name)[sample] = np.concatenate([getattr(self, name)[sample], np.asarray(values, dtype)])
         self.response_ids[sample] = np.concatenate([self.response_ids[sample], ids])
         self.behaviour_logprobs[sample] = np.concatenate([self.behaviour_logprobs[sample], logprobs])
         self.token_versions[sample] = np.concatenate([self.token_versions[sample],

@@ -73,11 +73,17 @@ class Trajectory:
     def reward(self) -> float:
         return float(sum(self.step_rewards))
 
-    def tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(response ids, loss mask, behaviour log-probs), flat."""
+    def tokens(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(response ids, loss mask, behaviour log-probs, token rewards), flat; a turn's reward sits on
+        the last token of its action (where the env answered it)."""
         def flat(parts, dtype):
             return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-        return flat(self.response_ids, np.int32), flat(self.loss_mask, bool), flat(self.logprobs, np.float32)
+        rewards = [np.zeros(len(piece), np.float32) for piece in self.response_ids]
+        actions = [i for i, mask in enumerate(self.loss_mask) if len(mask) and mask[0]]
+        for index, reward in zip(actions, self.step_rewards):
+            rewards[index][-1] = reward
+        return (flat(self.response_ids, np.int32), flat(self.loss_mask, bool), flat(self.logprobs, np.float32),
+                flat(rewards, np.float32))
 
     def context(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, *self.response_ids]).astype(np.int32)

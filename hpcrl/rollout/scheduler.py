@@ -36,6 +36,9 @@ from hpcrl.data import DomainSampler
 from hpcrl.ragged import Ragged
 from hpcrl.rollout.lifecycle import Group, SampleState
 
+# an env's per-token columns: (checkpoint buffer column, Group attribute, dtype)
+ENV_TOKEN_COLUMNS = (("loss_mask", "loss_masks", bool), ("token_rewards", "token_rewards", np.float32))
+
 
 class StalenessError(RuntimeError):
     pass
@@ -176,11 +179,12 @@ class RolloutScheduler:
         return groups
 
     def finish_round(self, round_: Round, response_ids: Ragged, logprobs: Ragged, finished: np.ndarray,
-                     loss_mask: Ragged | None = None, prompt_ids: Ragged | None = None) -> list[Group]:
+                     loss_mask: Ragged | None = None, prompt_ids: Ragged | None = None,
+                     token_rewards: Ragged | None = None) -> list[Group]:
         """Append a round's tokens to its responses; returns the groups whose responses have now all
         ended (to be scored), in group order. Groups aborted meanwhile are left out. An env round
-        (whole trajectories) also gives each row's loss mask and its group's first observation as
-        the prompt."""
+        (whole trajectories) also gives each row's loss mask, its turns' rewards and its group's first
+        observation as the prompt."""
         if round_ is not self.in_flight:
             raise RuntimeError(f"round {round_.index} of batch {round_.batch} is not the round in flight")
         self.in_flight = None
@@ -189,7 +193,8 @@ class RolloutScheduler:
             if prompt_ids is not None:
                 group.prompt_ids = np.asarray(prompt_ids[row], np.int32)
             group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]), round_.version,
-                         None if loss_mask is None else loss_mask[row])
+                         None if loss_mask is None else loss_mask[row],
+                         None if token_rewards is None else token_rewards[row])
             touched[group.group_id] = group
         return [g for _, g in sorted(touched.items()) if g.done and g.state is SampleState.GENERATING]
 
@@ -291,8 +296,8 @@ class RolloutScheduler:
             "response_ids": Ragged.from_arrays([g.response_ids[i] for g, i in rows], np.int32),
             "behaviour_logprobs": Ragged.from_arrays([g.behaviour_logprobs[i] for g, i in rows], np.float32),
             "token_versions": Ragged.from_arrays([g.token_versions[i] for g, i in rows], np.int32),
-            **({"loss_mask": Ragged.from_arrays([g.loss_masks[i] for g, i in rows], bool)}
-               if any(g.loss_masks is not None for g, _ in rows) else {}),
+            **{column: Ragged.from_arrays([getattr(g, name)[i] for g, i in rows], dtype)
+               for column, name, dtype in ENV_TOKEN_COLUMNS if any(getattr(g, name) is not None for g, _ in rows)},
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
@@ -319,9 +324,11 @@ class RolloutScheduler:
             group.response_ids.append(np.array(buffer["response_ids"][row]))
             group.behaviour_logprobs.append(np.array(buffer["behaviour_logprobs"][row]))
             group.token_versions.append(np.array(buffer["token_versions"][row]))
-            if "loss_mask" in buffer:
-                group.loss_masks = group.loss_masks if group.loss_masks is not None else []
-                group.loss_masks.append(np.array(buffer["loss_mask"][row], bool))
+            for column, name, dtype in ENV_TOKEN_COLUMNS:
+                if column in buffer:
+                    if getattr(group, name) is None:
+                        setattr(group, name, [])
+                    getattr(group, name).append(np.array(buffer[column][row], dtype))
             group.finished[sample] = bool(buffer["finished"][row])
             if bool(buffer["scored"][row]):
                 if group.rewards is None:

@@ -3,7 +3,8 @@
 Token columns are packed (`hpcrl.ragged`): sequence-level advantages are repeated onto their
 tokens, token-level ones computed on one padded [N, T] tensor; no Python loop over tokens.
 
-The reward of a response sits on its last token; `algorithm.kl_in_reward` subtracts its per-token
+The reward of a response sits on its last token (an env trajectory's: each turn's reward on the
+last token of its action); `algorithm.kl_in_reward` subtracts its per-token
 KL penalty from every token's reward. Sequence-level estimators (GRPO, RLOO) take the sum of a
 response's token rewards as its reward, as verl does, so the KL in the reward means the same for
 every estimator. The KL loss (`algorithm.kl_loss`) is the trainer's (engines/objective.py): each
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcrl.algos import gae_advantages, grpo_advantages, kl_penalty, reinforce_pp_advantages, rloo_advantages
+from hpcrl.algos import (gae_advantages, gigpo_advantages, grpo_advantages, kl_penalty, reinforce_pp_advantages,
+                         rloo_advantages)
 from hpcrl.config.job import AlgorithmConfig
 from hpcrl.engines.batch import length_mask, right_pad
 from hpcrl.ragged import Ragged
+from hpcrl.runtime.turns import Turns
 
 
 @dataclass
@@ -30,19 +33,24 @@ class Advantages:
 
 def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np.ndarray, old_logprobs: Ragged,
                      ref_logprobs: Ragged | None, values: Ragged | None, kl_in_reward_coef: float,
-                     loss_mask: Ragged | None = None) -> Advantages:
+                     loss_mask: Ragged | None = None, turn_rewards: Ragged | None = None,
+                     prompt_ids: Ragged | None = None, response_ids: Ragged | None = None) -> Advantages:
     """Advantages on every response token (on `old_logprobs`' rows); with gae also the returns.
     With a `loss_mask` (an env's trajectories) only the policy's tokens count: the KL in the reward,
-    the discounted returns and the reward's place (the last generated token) skip the observations."""
+    the discounted returns and the reward's place (the last generated token) skip the observations;
+    `turn_rewards` place each turn's reward on its action (the rest of `rewards`, e.g. a shaping
+    term, on the last generated token). gigpo also needs the tokens, to find the states acted from."""
     lengths = old_logprobs.lengths
     mask = length_mask(lengths)
     if loss_mask is not None:
         mask = mask * right_pad(loss_mask, 0.0, torch.float32, mask.shape[1])
-    token_rewards = torch.zeros_like(mask)
+    token_rewards = (torch.zeros_like(mask) if turn_rewards is None
+                     else right_pad(turn_rewards, 0.0, torch.float32, mask.shape[1]) * mask)
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = torch.where(mask > 0, positions, -1).max(-1).values   # a row without a trained token: its end
     last = torch.where(last >= 0, last, torch.as_tensor(lengths - 1).clamp(min=0))
-    token_rewards[torch.arange(len(rewards)), last] = torch.as_tensor(rewards, dtype=torch.float32)
+    rows = torch.arange(len(rewards))
+    token_rewards[rows, last] += torch.as_tensor(rewards, dtype=torch.float32) - token_rewards.sum(-1)
     sequence_kl = 0.0
     if ref_logprobs is not None:
         old, ref = right_pad(old_logprobs, 0.0, torch.float32), right_pad(ref_logprobs, 0.0, torch.float32)
@@ -56,6 +64,15 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
         per_sequence = (grpo_advantages(reward_t, groups_t, normalize_std=algo.normalize_std)
                         if algo.advantage == "grpo" else rloo_advantages(reward_t, groups_t))
         return Advantages({"advantages": old_logprobs.with_values(np.repeat(per_sequence.numpy(), lengths))},
+                          sequence_kl)
+    if algo.advantage == "gigpo":
+        if loss_mask is None or prompt_ids is None or response_ids is None:
+            raise ValueError("advantage gigpo needs an env's trajectories (their turns and states)")
+        turns = Turns.of(prompt_ids, response_ids, loss_mask, torch.as_tensor(group_index))
+        per_turn = gigpo_advantages(turns.gather(token_rewards), turns.mask, turns.states,
+                                    torch.as_tensor(group_index, dtype=torch.long), algo.gamma,
+                                    algo.step_advantage_weight, algo.normalize_std)
+        return Advantages({"advantages": Ragged.from_padded(turns.scatter(per_turn, mask).numpy(), lengths)},
                           sequence_kl)
     if algo.advantage == "reinforce_pp":
         advantages = reinforce_pp_advantages(token_rewards, mask, algo.gamma)

@@ -211,7 +211,7 @@ class Controller:
         """An env round's trajectories are finished and rewarded by their envs: no scoring."""
         done = self.scheduler.finish_round(round_, result["response_ids"], result["behaviour_logprobs"],
                                            np.ones(len(result["rewards"]), bool), result["loss_mask"],
-                                           result["prompt_ids"])
+                                           result["prompt_ids"], result["token_rewards"])
         row_of = {(g.group_id, i): row for row, (g, i) in enumerate(round_.samples)}
         rows = [row_of[g.group_id, i] for g in done for i in range(g.size)]
         self.scheduler.rewarded(done, result["rewards"][rows], [result["codes"][r] for r in rows])
@@ -260,8 +260,9 @@ class Controller:
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
         fresh = versions == step - 1   # sampled by the weights the trainer holds
         # an env's trajectories: observation tokens are context, not the policy's (no loss, no log-prob)
-        loss_mask = (Ragged.from_arrays([m for g in groups for m in g.loss_masks], np.float32)
-                     if self.job.env is not None else None)
+        loss_mask, token_rewards = ((Ragged.from_arrays([m for g in groups for m in g.loss_masks], np.float32),
+                                     Ragged.from_arrays([r for g in groups for r in g.token_rewards], np.float32))
+                                    if self.job.env is not None else (None, None))
         # Sampled with the trainer's own parameters (and model code) at this version, the behaviour
         # log-probs are the old policy's: recomputing them would give the same numbers.
         recompute = not (self.shared_weights and fresh.all())
@@ -279,7 +280,7 @@ class Controller:
         self._add_time("logprobs", time.perf_counter() - started)
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
         found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef,
-                                 loss_mask)
+                                 loss_mask, token_rewards, sequences["prompt_ids"], sequences["response_ids"])
         train_batch = {**sequences, **columns, **found.columns}
         if loss_mask is not None:
             train_batch["loss_mask"] = loss_mask
