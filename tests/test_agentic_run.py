@@ -4,10 +4,15 @@ trajectories and resumed bit for bit; envs that raise or hang fail their traject
 while the run goes on."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
-from conftest import hpcrl
+from conftest import REPO, hpcrl
 
 from hpcrl.metrics import read_metrics
 
@@ -61,3 +66,35 @@ def test_envs_that_raise_or_hang_fail_their_trajectories_and_the_run_goes_on(tmp
     for m in metrics:
         assert m["envs_raised"] == 4 and m["envs_hung"] == 4 and m["trajectories_failed"] == 8, m
         assert np.isfinite(m["loss"])
+
+
+def test_a_run_killed_mid_trajectory_resumes_as_if_never_killed(tmp_path):
+    """SIGKILL to the whole run while trajectories are being played (batch 4's round, K=1, after the
+    step-2 checkpoint): the resumed run keeps the checkpoint's finished trajectories (batch 3, played
+    ahead), plays the unfinished ones again from their seeds, and ends with the uninterrupted run's
+    weights, every step logged once."""
+    paced = ["--set", "env.name=tests.envs_for_tests:paced", "--set", "env.seeds=4",
+             "--set", "env.options={length: 3, delay_s: 0.05}", "--set", "env.max_turns=3",
+             "--set", "rollout.max_staleness=1", "--set", "checkpoint.every=2", "--set", "train.steps=5"]
+    straight = tmp_path / "straight"
+    result = hpcrl("run", "jobs/tiny_frozenlake.yaml", *SMALL, *paced, "--run-dir", str(straight), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", "jobs/tiny_frozenlake.yaml", *SMALL, *paced,
+                                "--run-dir", str(killed)], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not ((killed / "metrics.jsonl").exists() and len((killed / "metrics.jsonl").read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and process.poll() is None, "the run did not reach step 3"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)   # batch 4's trajectories are in the middle of their turns
+    process.wait()
+    assert not (killed / "checkpoints" / "step-4").exists()
+    result = hpcrl("run", "jobs/tiny_frozenlake.yaml", *SMALL, *paced, "--run-dir", str(killed), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from" in result.stderr + result.stdout
+    again, first = read_metrics(killed / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
+    assert [m["step"] for m in again] == [1, 2, 3, 4, 5]
+    assert [m["reward_mean"] for m in again] == [m["reward_mean"] for m in first]
+    assert again[-1]["digest_actor_train"] == first[-1]["digest_actor_train"]

@@ -100,6 +100,7 @@ def test_guess_number_feedback_lets_binary_search_win_in_under_four_guesses_on_a
         counts.append(turns)
     assert sum(counts) / len(counts) < 4
     assert env.step("eleven").info["invalid"]
+    assert {env.reset(seed) and env.secret for seed in range(16)} == set(range(16)), "16 seeds: every number"
 
 
 def test_calculator_evaluates_arithmetic_and_nothing_else():
