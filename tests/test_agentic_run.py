@@ -65,6 +65,7 @@ def test_envs_that_raise_or_hang_fail_their_trajectories_and_the_run_goes_on(tmp
     # every seed is drawn once per 4 groups: each step has one raising and one hanging group of 4
     for m in metrics:
         assert m["envs_raised"] == 4 and m["envs_hung"] == 4 and m["trajectories_failed"] == 8, m
+        assert m["turns_to_success"] == 2, "the paced env's episodes succeed at their second step"
         assert np.isfinite(m["loss"])
 
 

@@ -21,6 +21,7 @@ REPORT_FILE = "report.png"
 # Extra panels under the reward panel, drawn when the metric is present: (key, y label).
 PANELS: tuple[tuple[str, str], ...] = (("kl", "kl"), ("loss", "loss"), ("samples_per_s", "samples/s"),
                                        ("success_rate", "success rate"), ("turns", "turns per trajectory"),
+                                       ("turns_to_success", "turns to success"),
                                        ("tokens_per_turn", "tokens per turn"), ("env_s_per_turn", "env s per turn"),
                                        ("trajectories_failed", "failed trajectories"))
 

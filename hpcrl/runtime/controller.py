@@ -218,14 +218,16 @@ class Controller:
         self.episode_stats.append({k: result[k] for k in ("turns", "env_s")})
 
     def _episode_metrics(self, groups) -> dict[str, float]:
-        """Success rate, turns and tokens per turn of the step's trajectories (a turn is a run of
-        generated tokens in the loss mask); env seconds per turn of the rounds played since the last
-        step; failed envs by kind."""
+        """Success rate, turns (of all, and of those that succeeded) and tokens per turn of the step's
+        trajectories (a turn is a run of generated tokens in the loss mask); env seconds per turn of
+        the rounds played since the last step; failed envs by kind."""
         codes = [c for g in groups for c in g.codes]
         masks = [m.astype(np.int8) for g in groups for m in g.loss_masks]
         turns = np.array([int((np.diff(m, prepend=0) == 1).sum()) for m in masks])
+        succeeded = np.array([c == "success" for c in codes], bool)
         metrics = {"success_rate": codes.count("success") / max(len(codes), 1),
                    "turns": float(turns.mean()) if len(turns) else 0.0,
+                   **({"turns_to_success": float(turns[succeeded].mean())} if succeeded.any() else {}),
                    "tokens_per_turn": float(sum(int(m.sum()) for m in masks)) / max(int(turns.sum()), 1),
                    "trajectories_failed": float(sum(c.startswith("failed:") for c in codes))}
         if self.episode_stats:
