@@ -44,7 +44,7 @@ def main() -> int:
     tokenizer = CharTokenizer("".join(sorted(set(CHARACTERS + env.alphabet + env.system_prompt + env.action_format))))
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml")
     model = random_model(job.model, tokenizer, job.seed)
-    turns = TurnFormat(lambda text: tokenizer.encode(text, add_bos=False), tokenizer.decode, tokenizer.bos_token_id)
+    turns = TurnFormat(tokenizer)
     requests = [Request(group=i // 4, env_seed=i // 4, sample_seed=i) for i in range(args.trajectories)]
     rates: dict[str, list[float]] = {"env-level async": [], "lock-step": []}
     outputs: dict[str, list] = {}

@@ -185,6 +185,7 @@ def test_an_option_that_does_not_apply_is_refused_by_key(tmp_path, overrides, me
      "algorithm.advantage: gae over multi-turn trajectories"),
     (["rollout.max_round_s=5"], "rollout.max_round_s: env rounds play every trajectory to its end"),
     (["eval.every=10"], "eval.every: evaluation replays prompts, and an env job has none"),
+    (["env.chat=true"], "env.chat: the built-in character tokenizer has no chat template; set model.tokenizer"),
     (["env.max_tokens=1", "rollout.max_new_tokens=2"],
      "env.max_tokens: 1 is less than one turn's rollout.max_new_tokens = 2"),
     (["task={name: addition}"], "give exactly one of 'task' (a built-in task), 'datasets' (prompt files) or 'env'"),

@@ -23,7 +23,7 @@ def rollout_for(spec: EnvSpec, slots: int, lockstep: bool = False, max_turns: in
     model = random_model(job.model, tokenizer, 3)
     sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, lockstep=lockstep)
     pool = EnvPool(spec, slots, step_timeout_s)
-    turns = TurnFormat(lambda text: tokenizer.encode(text, add_bos=False), tokenizer.decode, tokenizer.bos_token_id)
+    turns = TurnFormat(tokenizer)
     return MultiTurnRollout(sampler, pool, env, turns, SamplingParams(4), max_turns=max_turns, turn_tokens=4,
                             max_tokens=64, lockstep=lockstep), tokenizer
 
@@ -58,7 +58,7 @@ def test_observations_are_masked_and_actions_keep_their_sampling_logprobs():
                 assert t.success == bool(result.info.get("success")) and next(pieces, None) is None
                 break
             observation, observation_mask = next(pieces)
-            assert observation.tolist() == rollout.turns.next(result.observation).tolist()
+            assert observation.tolist() == rollout.turns.next(result.observation, action).tolist()
             assert not observation_mask.any()
 
 
@@ -110,3 +110,45 @@ def test_redundancy_keeps_the_first_finishers_and_aborts_the_rest():
     assert sorted(t.request.env_seed for t in aborted) == [6, 8, 16, 18]
     assert all(t.ended and not t.success for t in aborted)
     assert trajectory_metrics(trajectories, rollout.pool.failures)["trajectories_aborted"] == 4
+
+
+def test_chat_turns_read_as_the_conversation_the_template_renders():
+    """env.chat: a trajectory's tokens, decoded, are the chat template's rendering of its conversation
+    (instructions as the system message, observations as user messages, actions as the assistant's),
+    whether an action ended with <eos> or ran out of tokens."""
+    import torch
+
+    from hpcrl.data import HFTokenizer
+
+    tokenizer = HFTokenizer(str(REPO / "data" / "rlvr" / "tokenizer"))
+    spec = EnvSpec("frozenlake")
+    model = random_model(load_job(REPO / "jobs" / "tiny_grpo.yaml").model, tokenizer, 3)
+    eos = tokenizer.eos_token_id
+
+    def likelier_eos(module, inputs, logits: torch.Tensor) -> torch.Tensor:
+        logits[..., eos] += 5.0   # a random model over 602 tokens would almost never end a turn itself
+        return logits
+
+    model.lm_head.register_forward_hook(likelier_eos)
+    turns = TurnFormat(tokenizer, chat=True)
+    rollout = MultiTurnRollout(NativeSampler(model, eos, tokenizer.pad_token_id), EnvPool(spec, 4, 20.0), spec.build(),
+                               turns, SamplingParams(4), max_turns=4, turn_tokens=4, max_tokens=200)
+    with rollout.pool:
+        trajectories = rollout.run([Request(group=i, env_seed=i, sample_seed=i) for i in range(8)])
+    hf, endings = tokenizer.to_hf(), set()
+    for t in trajectories:
+        replay = spec.build()
+        messages = [{"role": "system", "content": f"{replay.system_prompt} {replay.action_format}"},
+                    {"role": "user", "content": replay.reset(t.request.env_seed)}]
+        actions = [piece for piece, mask in zip(t.response_ids, t.loss_mask) if mask.all()]
+        for turn, action in enumerate(actions):
+            endings.add(bool(action[-1] == eos))
+            messages.append({"role": "assistant", "content": hf.decode(action, skip_special_tokens=False)
+                             .removesuffix(tokenizer.eos_text)})
+            result = replay.step(tokenizer.decode(action.tolist()))
+            if turn + 1 < len(actions):
+                messages.append({"role": "user", "content": result.observation})
+        rendered = tokenizer.chat_text(messages, add_generation_prompt=False).removesuffix("\n")   # the last closing
+        assert hf.decode(t.context(), skip_special_tokens=False).replace(tokenizer.eos_text, "") == "<bos>" + rendered
+    assert endings == {True, False}, "both kinds of action ending were checked"
+    assert sum(len(t.turn_tokens) for t in trajectories) > len(trajectories), "some went past one turn"

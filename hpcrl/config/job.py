@@ -132,6 +132,8 @@ class EnvConfig(Schema):
     workers: PositiveInt = Field(16, description="env processes per rollout rank (trajectories played at once)")
     group_redundancy: NonNegativeInt = Field(0, description="extra trajectories started per group; the first "
                                              "algorithm.group_size to finish are kept, the rest aborted")
+    chat: bool = Field(False, description="render turns with the tokenizer's chat template: instructions as the "
+                       "system message, observations as user messages, actions as the assistant's")
 
 
 class EvalConfig(Schema):
@@ -470,6 +472,9 @@ class JobConfig(Schema):
         if self.eval.every:
             raise ValueError("eval.every: evaluation replays prompts, and an env job has none; remove it (the "
                              "training metrics success_rate and turns follow the policy)")
+        if self.env.chat and not (self.model.tokenizer or self.model.path):
+            raise ValueError("env.chat: the built-in character tokenizer has no chat template; set model.tokenizer "
+                             "(a Hugging Face tokenizer with one) or env.chat: false")
         if self.env.max_tokens < self.rollout.max_new_tokens:
             raise ValueError(f"env.max_tokens: {self.env.max_tokens} is less than one turn's rollout.max_new_tokens "
                              f"= {self.rollout.max_new_tokens}; raise it")

@@ -79,13 +79,22 @@ class HFTokenizer:
     def to_hf(self):
         return self._tok
 
-    def chat_prompt(self, user: str, system: str | None = None) -> str:
-        """The conversation so far as the chat template renders it, ending where the assistant answers."""
+    @property
+    def eos_text(self) -> str:
+        return self._tok.eos_token or ""
+
+    def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """`messages` as the chat template renders them; with `add_generation_prompt`, ending where the
+        assistant answers."""
         if self._tok.chat_template is None:
             raise ValueError(f"{self._tok.name_or_path}: the tokenizer has no chat template (tokenizer_config.json "
-                             "chat_template); set chat: false and a template for the dataset")
+                             "chat_template); set chat: false (datasets or env)")
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_prompt(self, user: str, system: str | None = None) -> str:
+        """The conversation so far as the chat template renders it, ending where the assistant answers."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.chat_text(messages, add_generation_prompt=True)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)

@@ -8,13 +8,13 @@ Observation tokens enter the context but not the loss (mask 0, no behaviour log-
 generated token keeps the log-prob it was sampled with. An env that hangs, raises or dies fails its
 trajectory with the reason (hpcrl.envs.host replaces it), and the others go on. A group may start
 `redundancy` extra trajectories and keep the first `keep` to finish, aborting the rest (ROLL Flash's
-redundant environment rollout). Each turn re-reads the whole context (no KV cache across turns).
+redundant environment rollout). Turns are plain text or the tokenizer's chat template (TurnFormat).
+Each turn re-reads the whole context (no KV cache across turns).
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import fmean
 
@@ -27,22 +27,60 @@ from hpcrl.envs.host import EnvFailure, EnvPool
 from hpcrl.envs.registry import EnvSpec
 
 
-@dataclass(frozen=True)
 class TurnFormat:
-    """How turns become tokens: `encode(text)` gives ids without `<bos>`. The first turn is `<bos>`,
-    the env's instructions and its first observation; every later one the observation alone,
-    after the action's `<eos>`. A chat model's template plugs in here."""
+    """How turns become tokens.
 
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    bos_id: int
+    Plain (a tiny character model): the first turn is `<bos>`, the env's instructions and its first
+    observation; every later one the observation alone, right after the action. Chat (`env.chat`, a
+    tokenizer with a chat template): the instructions are the system message, each observation a
+    user message and each action the assistant's, and every turn adds the tokens the template puts
+    between the action's text and the next answer (the end of the assistant's message, the user's
+    message, the assistant's header), so a trajectory reads as the whole conversation rendered at
+    once: what the model sees at inference.
+    """
+
+    PROBE = ("\x00user\x00", "\x00assistant\x00")   # stand-ins that no template changes
+
+    def __init__(self, tokenizer, chat: bool = False):
+        self.tokenizer, self.chat = tokenizer, chat
+        if not chat:
+            return
+        user, assistant = self.PROBE
+        self._before = tokenizer.chat_text([{"role": "user", "content": user},
+                                            {"role": "assistant", "content": assistant}], add_generation_prompt=False)
+        self._closing = self._before[self._before.index(assistant) + len(assistant):]
+        self._user_turn("observation")   # refuses a template that re-renders earlier turns, before any rollout
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def first(self, env: TextEnv, observation: str) -> np.ndarray:
-        text = " ".join(part for part in (env.system_prompt, env.action_format) if part)
-        return np.array([self.bos_id, *self.encode(f"{text} {observation} ")], np.int32)
+        instructions = " ".join(part for part in (env.system_prompt, env.action_format) if part)
+        if self.chat:
+            messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
+                {"role": "user", "content": observation}]
+            return np.array(self.tokenizer.encode(self.tokenizer.chat_text(messages, add_generation_prompt=True)),
+                            np.int32)
+        return np.array([self.tokenizer.bos_token_id, *self.tokenizer.encode(f"{instructions} {observation} ",
+                                                                           add_bos=False)], np.int32)
 
-    def next(self, observation: str) -> np.ndarray:
-        return np.array(self.encode(f" {observation} "), np.int32)
+    def next(self, observation: str, action_ids: np.ndarray) -> np.ndarray:
+        """The tokens between an action (`action_ids`, as generated) and the next one."""
+        if not self.chat:
+            return np.array(self.tokenizer.encode(f" {observation} ", add_bos=False), np.int32)
+        closing, eos = self._closing, self.tokenizer.eos_text
+        if len(action_ids) and action_ids[-1] == self.tokenizer.eos_token_id and closing.startswith(eos):
+            closing = closing[len(eos):]   # the model wrote the end of its message itself
+        return np.array(self.tokenizer.encode(closing + self._user_turn(observation), add_bos=False), np.int32)
+
+    def _user_turn(self, observation: str) -> str:
+        user, assistant = self.PROBE
+        after = self.tokenizer.chat_text([{"role": "user", "content": user}, {"role": "assistant", "content": assistant},
+                                          {"role": "user", "content": observation}], add_generation_prompt=True)
+        if not after.startswith(self._before):
+            raise ValueError("env.chat: the tokenizer's chat template does not extend a conversation turn by turn "
+                             "(rendering one more user message changed the earlier ones); use env.chat: false")
+        return after[len(self._before):]
 
 
 @dataclass(frozen=True)
@@ -223,7 +261,7 @@ class _Run:
                 t.success = bool(answer.info.get("success", False))
                 self._end(index)
                 return
-            observation = self.r.turns.next(answer.observation)
+            observation = self.r.turns.next(answer.observation, t.response_ids[-1])
             t.response_ids.append(observation)
             t.loss_mask.append(np.zeros(len(observation), bool))
             t.logprobs.append(np.zeros(len(observation), np.float32))
@@ -281,7 +319,7 @@ def multi_turn_rollout(job: JobConfig, sampler: NativeSampler, tokenizer) -> Mul
     `rollout.max_new_tokens` tokens, the job's sampling settings."""
     config, rollout = job.env, job.rollout
     spec = EnvSpec(config.name, config.options)
-    turns = TurnFormat(lambda text: tokenizer.encode(text, add_bos=False), tokenizer.decode, tokenizer.bos_token_id)
+    turns = TurnFormat(tokenizer, config.chat)
     params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
     return MultiTurnRollout(sampler, EnvPool(spec, config.workers, config.step_timeout_s), spec.build(), turns, params,
                             config.max_turns, rollout.max_new_tokens, config.max_tokens,
