@@ -63,6 +63,25 @@ def test_frozenlake_has_a_fixed_set_of_solvable_maps_and_its_rules():
             assert result.done and result.reward == 0 and result.info["success"] is False
 
 
+def test_frozenlake_progress_reward_pays_for_steps_towards_the_goal_and_a_success_pays_most():
+    env = FrozenLake(progress_reward=0.1)
+    for seed in range(8):
+        plan = shortest_solution(env, seed)
+        env.reset(seed)
+        rewards = [env.step(move).reward for move in plan]
+        assert rewards[:-1] == pytest.approx([0.1] * (len(plan) - 1)) and rewards[-1] == pytest.approx(1.1)
+        # a step back takes the progress back, a step into a wall earns nothing: no cycle pays
+        env.reset(seed)
+        there, back = env.step(plan[0]).reward, env.step({"U": "D", "D": "U", "L": "R", "R": "L"}[plan[0]]).reward
+        assert there + back == pytest.approx(0.0)
+    grid, (row, col) = frozenlake_maps()[0]
+    into_hole = next(m for m, (dr, dc) in MOVES.items()
+                     if 0 <= row + dr < 4 and 0 <= col + dc < 4 and grid[row + dr][col + dc] == "O")
+    env.reset(0)
+    assert env.step(into_hole).reward == 0.0, "a hole earns nothing, progress or not"
+    assert FrozenLake().reset(0) == env.reset(0), "the shaping changes rewards only"
+
+
 def test_sokoban_rooms_are_solvable_unsolved_and_pushes_follow_the_rules():
     env = Sokoban()
     for seed in range(6):
@@ -101,6 +120,9 @@ def test_guess_number_feedback_lets_binary_search_win_in_under_four_guesses_on_a
     assert sum(counts) / len(counts) < 4
     assert env.step("eleven").info["invalid"]
     assert {env.reset(seed) and env.secret for seed in range(16)} == set(range(16)), "16 seeds: every number"
+    costly = GuessNumber(0, 15, guess_cost=0.1)
+    costly.reset(5)
+    assert [costly.step(guess).reward for guess in ("8", "2", "5")] == [-0.1, -0.1, 1.0]
 
 
 def test_calculator_evaluates_arithmetic_and_nothing_else():

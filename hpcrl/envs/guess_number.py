@@ -9,11 +9,15 @@ class GuessNumber(TextEnv):
     action_format = "a whole number"
     alphabet = "".join(sorted(set("0123456789- higher lower correct not a number guess")))
 
-    def __init__(self, low: int = 0, high: int = 15, invalid_reward: float = 0.0):
+    def __init__(self, low: int = 0, high: int = 15, invalid_reward: float = 0.0, guess_cost: float = 0.0):
+        """`guess_cost` > 0 takes that much for every wrong guess: the game is to find the number in
+        as few guesses as possible, and with a success worth 1 whenever it comes, a policy that
+        finds it in seven guesses scores as one that finds it in three."""
         if high < low:
             raise ValueError(f"guess_number: high {high} is below low {low}")
         self.low, self.high = low, high
         self.invalid_reward = invalid_reward
+        self.guess_cost = guess_cost
         self.system_prompt = f"guess {low}-{high}"
         self.secret = low
 
@@ -29,4 +33,4 @@ class GuessNumber(TextEnv):
             return self.invalid(action, "not a number")
         if guess == self.secret:
             return StepResult("correct", 1.0, True, {"success": True})
-        return StepResult("higher" if guess < self.secret else "lower", 0.0, False, {})
+        return StepResult("higher" if guess < self.secret else "lower", -self.guess_cost, False, {})
