@@ -152,3 +152,28 @@ def test_chat_turns_read_as_the_conversation_the_template_renders():
         assert hf.decode(t.context(), skip_special_tokens=False).replace(tokenizer.eos_text, "") == "<bos>" + rendered
     assert endings == {True, False}, "both kinds of action ending were checked"
     assert sum(len(t.turn_tokens) for t in trajectories) > len(trajectories), "some went past one turn"
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_a_kept_kv_cache_gives_the_trajectories_of_rereading_the_context_and_feeds_each_token_once(lockstep):
+    """Between a trajectory's turns its keys and values stay in the sampler: the same tokens and
+    log-probs as re-reading the whole conversation every turn, while the model reads far fewer
+    tokens (each turn's new ones only)."""
+    spec = EnvSpec("envs_for_tests:paced", {"length": 4, "delay_s": 0.01})
+    requests = [Request(group=i // 2, env_seed=i, sample_seed=11 * i) for i in range(6)]
+    results, fed = {}, {}
+    for keep in (True, False):
+        rollout, _ = rollout_for(spec, slots=3, lockstep=lockstep, max_turns=5)
+        rollout.keep_cache = keep
+        counter = [0]
+        rollout.sampler.model.register_forward_pre_hook(
+            lambda module, args, kwargs: counter.__setitem__(0, counter[0] + kwargs["input_ids"].numel()),
+            with_kwargs=True)
+        with rollout.pool:
+            results[keep] = rollout.run(requests)
+        fed[keep] = counter[0]
+    assert sum(len(t.turn_tokens) for t in results[True]) > 2 * len(requests), "several turns each"
+    for kept, reread in zip(results[True], results[False]):
+        assert [a.tolist() for a in kept.response_ids] == [a.tolist() for a in reread.response_ids]
+        assert np.allclose(kept.tokens()[2], reread.tokens()[2], atol=1e-5)
+    assert fed[True] < 0.6 * fed[False], fed

@@ -19,7 +19,7 @@ def select_rows(cache, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return mask[rows]
 
 
-def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+def pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     missing = width - tensor.shape[dim]
     if missing == 0:
         return tensor
@@ -27,13 +27,20 @@ def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return F.pad(tensor, pad)
 
 
+def cache_of(layers: list[torch.Tensor]):
+    """A DynamicCache of the given per-layer tensors: keys, values, keys, values, ..."""
+    from transformers import DynamicCache
+
+    return DynamicCache(list(zip(layers[0::2], layers[1::2])))
+
+
 def concat_rows(cache, mask: torch.Tensor, other, other_mask: torch.Tensor) -> torch.Tensor:
     """Append `other`'s rows to `cache` (each left-padded to the longer); returns the joint mask."""
     width = max(mask.shape[1], other_mask.shape[1])
     for layer, new in zip(cache.layers, other.layers):
-        layer.keys = torch.cat([_pad_left(layer.keys, width, 2), _pad_left(new.keys, width, 2)])
-        layer.values = torch.cat([_pad_left(layer.values, width, 2), _pad_left(new.values, width, 2)])
-    return torch.cat([_pad_left(mask, width, 1), _pad_left(other_mask, width, 1)])
+        layer.keys = torch.cat([pad_left(layer.keys, width, 2), pad_left(new.keys, width, 2)])
+        layer.values = torch.cat([pad_left(layer.values, width, 2), pad_left(new.values, width, 2)])
+    return torch.cat([pad_left(mask, width, 1), pad_left(other_mask, width, 1)])
 
 
 def trim_left(cache, mask: torch.Tensor) -> torch.Tensor:

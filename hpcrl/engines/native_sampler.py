@@ -194,7 +194,12 @@ def _cache_of(out) -> tuple[str, object]:
 
 class Decoding:
     """Sequences waiting, decoding together in one cache, or done; a request is a row, added at any
-    time with `add` (each row's tokens and log-probs are kept in a [rows, width] array)."""
+    time with `add` (each row's tokens and log-probs are kept in a [rows, width] array).
+
+    A request may name a session (multi-turn rollout: its trajectory): when it ends, its keys and
+    values are kept, and the session's next request, whose prompt continues the same tokens,
+    prefills only what is new (the last sampled token and the env's answer) on top of them, so a
+    turn costs its own tokens, not the whole conversation again. `release` drops a session."""
 
     def __init__(self, sampler: NativeSampler, params: SamplingParams, width: int):
         self.sampler, self.params, self.width = sampler, params, width
@@ -206,14 +211,17 @@ class Decoding:
         self.logprobs = np.zeros((0, width), np.float32)
         self.lengths = np.zeros(0, np.int64)
         self.finished = np.zeros(0, bool)
+        self.sessions = np.zeros(0, np.int64)   # per row: its session, -1 for none
+        self.kept: dict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = {}   # ids, (keys, values)
         self.waiting: collections.deque[int] = collections.deque()
         self.active = np.zeros(0, np.int64)   # rows of the cache, in order
         self.cache, self.mask, self.logits, self.next_position = None, None, None, None
         self.cache_key = "past_key_values"
 
-    def add(self, prompts: list[np.ndarray], budgets: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-        """Queue requests (prompt ids, the most tokens each may generate, its sampling seed);
-        returns their rows. A request with no budget is finished at once."""
+    def add(self, prompts: list[np.ndarray], budgets: np.ndarray, seeds: np.ndarray,
+            sessions: np.ndarray | None = None) -> np.ndarray:
+        """Queue requests (prompt ids, the most tokens each may generate, its sampling seed, its
+        session or -1); returns their rows. A request with no budget is finished at once."""
         budgets = np.asarray(budgets, np.int64)
         if len(budgets) and budgets.max() > self.width:
             raise ValueError(f"a request's budget {budgets.max()} exceeds the batch's width {self.width}")
@@ -225,6 +233,7 @@ class Decoding:
         self.logprobs = np.concatenate([self.logprobs, np.zeros((count, self.width), np.float32)])
         self.lengths = np.concatenate([self.lengths, np.zeros(count, np.int64)])
         self.finished = np.concatenate([self.finished, budgets <= 0])
+        self.sessions = np.concatenate([self.sessions, np.full(count, -1) if sessions is None else sessions])
         rows = np.arange(first, first + count)
         self.waiting.extend(rows[budgets > 0].tolist())
         return rows
@@ -234,6 +243,10 @@ class Decoding:
         self.finished[rows] = True
         dropped = set(rows.tolist())
         self.waiting = collections.deque(r for r in self.waiting if r not in dropped)
+
+    def release(self, session: int) -> None:
+        """The session's conversation is over: its kept cache goes."""
+        self.kept.pop(session, None)
 
     @property
     def busy(self) -> bool:
@@ -250,14 +263,28 @@ class Decoding:
         return ended
 
     def admit(self) -> None:
-        """Prefill waiting prompts into the free slots and add them to the decoding batch."""
+        """Prefill waiting prompts into the free slots and add them to the decoding batch; a prompt
+        that continues its session's kept cache prefills only its new tokens."""
         free = (self.sampler.max_seqs or len(self.prompts)) - len(self.active)
         if free <= 0 or not self.waiting or (self.sampler.lockstep and len(self.active)):
             return
         rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
-        prompts = Ragged.from_arrays([self.prompts[r] for r in rows], np.int32)
-        ids, mask = (t.to(self.device) for t in left_pad(prompts, self.sampler.pad_id))
-        out = self.sampler.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
+        pasts = [self._past(int(row)) for row in rows]
+        cached = [0 if past is None else past[0][0].shape[2] for past in pasts]
+        news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows, cached)], np.int32)
+        ids, new_mask = (t.to(self.device) for t in left_pad(news, self.sampler.pad_id))
+        width, kwargs = max(cached), {}
+        past_mask = torch.zeros((len(rows), width), dtype=new_mask.dtype, device=self.device)
+        if width:
+            empty = next(past for past in pasts if past is not None)
+            layers = [[kv_rows.pad_left(p[layer][i] if p is not None else empty[layer][i][:, :, :0], width, 2)
+                       for p in pasts] for layer in range(len(empty)) for i in (0, 1)]
+            kwargs[self.cache_key] = kv_rows.cache_of([torch.cat(parts) for parts in layers])
+            for index, n in enumerate(cached):
+                past_mask[index, width - n:] = 1
+        mask = torch.cat([past_mask, new_mask], dim=1)
+        out = self.sampler.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, width:],
+                                 use_cache=True, **kwargs)
         self.cache_key, cache = _cache_of(out)
         logits, lengths = out.logits[:, -1], mask.sum(1)
         if self.cache is None:
@@ -267,6 +294,25 @@ class Decoding:
             self.logits = torch.cat([self.logits, logits])
             self.next_position = torch.cat([self.next_position, lengths])
         self.active = np.concatenate([self.active, rows])
+
+    def _past(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The keys and values kept for the row's session, if its prompt continues their tokens."""
+        ids, past = self.kept.pop(int(self.sessions[row]), (None, None))
+        prompt = self.prompts[row]
+        if past is None or len(prompt) <= len(ids) or not np.array_equal(prompt[:len(ids)], ids):
+            return None
+        return past
+
+    def _keep(self, index: int) -> None:
+        """Keep the finished batch entry `index`'s keys and values for its session's next request:
+        its prompt and every sampled token but the last (never fed), at the columns its mask marks
+        (lock-step rows decode on after they end; those columns come later and are left)."""
+        row = int(self.active[index])
+        ids = np.concatenate([self.prompts[row], self.tokens[row, :self.lengths[row] - 1]])
+        columns = self.mask[index].nonzero().squeeze(-1)[:len(ids)]
+        self.kept[int(self.sessions[row])] = (ids, [(layer.keys[index:index + 1, :, columns],
+                                                      layer.values[index:index + 1, :, columns])
+                                                     for layer in self.cache.layers])
 
     def step(self) -> np.ndarray:
         """Sample a token for every sequence in the batch and keep those of the unfinished ones; finished
@@ -295,6 +341,8 @@ class Decoding:
         done = self.finished[self.active]
         if self.sampler.lockstep:
             done = np.full(len(done), done.all())
+        for index in np.flatnonzero(done & (self.sessions[self.active] >= 0)):
+            self._keep(int(index))
         if done.any():
             keep = np.flatnonzero(~done)
             self.active = self.active[keep]

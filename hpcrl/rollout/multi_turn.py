@@ -9,7 +9,8 @@ generated token keeps the log-prob it was sampled with. An env that hangs, raise
 trajectory with the reason (hpcrl.envs.host replaces it), and the others go on. A group may start
 `redundancy` extra trajectories and keep the first `keep` to finish, aborting the rest (ROLL Flash's
 redundant environment rollout). Turns are plain text or the tokenizer's chat template (TurnFormat).
-Each turn re-reads the whole context (no KV cache across turns).
+A trajectory's KV cache stays in the sampler between its turns, so a turn prefills only the
+tokens the env added.
 """
 from __future__ import annotations
 
@@ -136,9 +137,12 @@ class MultiTurnRollout:
     (actions and observations) per trajectory."""
 
     def __init__(self, sampler: NativeSampler, pool: EnvPool, env: TextEnv, turns: TurnFormat, params: SamplingParams,
-                 max_turns: int, turn_tokens: int, max_tokens: int, lockstep: bool = False):
+                 max_turns: int, turn_tokens: int, max_tokens: int, lockstep: bool = False, keep_cache: bool = True):
+        """`keep_cache`: a trajectory's keys and values stay between its turns (each turn prefills only
+        its new tokens); false re-reads the whole context every turn."""
         self.sampler, self.pool, self.env, self.turns, self.params = sampler, pool, env, turns, params
         self.max_turns, self.turn_tokens, self.max_tokens, self.lockstep = max_turns, turn_tokens, max_tokens, lockstep
+        self.keep_cache = keep_cache
 
     def run(self, requests: list[Request], keep: int | None = None) -> list[Trajectory]:
         """Every request's trajectory, in order. With `keep`, a group is complete once `keep` of its
@@ -216,7 +220,8 @@ class _Run:
             self._end(index)
             return
         seed = (t.request.sample_seed * 1_000_003 + len(t.turn_tokens)) % 2 ** 63
-        row = int(self.decoding.add([t.context()], np.array([budget]), np.array([seed]))[0])
+        session = np.array([index if self.r.keep_cache else -1])
+        row = int(self.decoding.add([t.context()], np.array([budget]), np.array([seed]), session)[0])
         self.row_of[row] = index
 
     def _queue_generate(self, index: int) -> None:
@@ -270,6 +275,7 @@ class _Run:
     def _end(self, index: int) -> None:
         t = self.trajectories[index]
         t.ended = True
+        self.decoding.release(index)
         slot = self.slot_of.pop(index, None)
         if slot is not None:
             self.free.append(slot)
