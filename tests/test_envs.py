@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 
 from hpcrl.envs import EnvSpec, StepResult
-from hpcrl.envs.base import MOVES
+from hpcrl.envs.base import MOVES, parse_move
 from hpcrl.envs.frozenlake import FrozenLake, frozenlake_maps
 from hpcrl.envs.guess_number import GuessNumber
 from hpcrl.envs.host import EnvFailure, EnvPool
@@ -47,6 +47,9 @@ def test_frozenlake_has_a_fixed_set_of_solvable_maps_and_its_rules():
     assert set(observation) <= set(env.alphabet)
     invalid = env.step("jump")
     assert invalid.info["invalid"] and invalid.observation == observation and not invalid.done
+    # a move is its letter or its word; a lone lowercase letter is not (the vocabulary has d and r, not u, l)
+    assert [parse_move(a) for a in ("R", " R ", "right", "Up", "down.")] == [MOVES[m] for m in "RRRUD"]
+    assert [parse_move(a) for a in ("r", "d", "u", "", "x")] == [None] * 5
     assert invalid.reward == 0.0
     penalised = EnvSpec("frozenlake", {"invalid_reward": -0.1}).build()
     penalised.reset(0)

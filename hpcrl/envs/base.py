@@ -48,8 +48,16 @@ class TextEnv(ABC):
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 
 
+MOVE_WORDS = {"up": "U", "down": "D", "left": "L", "right": "R"}
+
+
 def parse_move(action: str) -> tuple[int, int] | None:
-    """A grid move written as its first letter, U, D, L or R (case ignored, surrounding text too:
-    'R', 'right', ' r ')."""
-    text = action.strip().upper()
-    return MOVES.get(text[:1]) if text else None
+    """A grid move: its letter U, D, L or R as the action format asks ('R', ' R ', 'R!'), or its word
+    in any case ('right', 'Up'). A lone lowercase letter is no move: an env's character vocabulary
+    holds 'd' and 'r' (from its instructions) but not 'u' or 'l', and accepting them gave a random
+    policy down and right twice as often as up and left."""
+    words = action.split()
+    if not words:
+        return None
+    letter = MOVE_WORDS.get(words[0].lower().strip(".,!"), words[0][0])
+    return MOVES.get(letter)
