@@ -37,11 +37,10 @@ def play(rollout: MultiTurnRollout, env_seeds: np.ndarray, groups: np.ndarray, s
     chosen: dict[int, list[Trajectory]] = defaultdict(list)
     for t in sorted((t for t in played if not t.aborted), key=lambda t: t.failure is not None):
         chosen[t.request.group].append(t)
-    bos = np.array([rollout.turns.bos_id], np.int32)
     columns: dict[str, list] = defaultdict(list)
     for group, rows in rows_of.items():
         kept = chosen[group][:len(rows)]
-        prompt = next((t.prompt_ids for t in kept if len(t.prompt_ids)), bos)
+        prompt = next((t.prompt_ids for t in kept if len(t.prompt_ids)), rollout.turns.placeholder())
         for t in kept:
             ids, mask, logprobs, token_rewards = t.tokens()
             if t.failure is not None:

@@ -55,6 +55,12 @@ class TurnFormat:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def placeholder(self) -> np.ndarray:
+        """The prompt of a group whose every trajectory failed before its env answered (those rows
+        train on nothing): `<bos>`, or `<eos>` for a tokenizer without one."""
+        bos = self.tokenizer.bos_token_id
+        return np.array([self.tokenizer.eos_token_id if bos is None else bos], np.int32)
+
     def first(self, env: TextEnv, observation: str) -> np.ndarray:
         instructions = " ".join(part for part in (env.system_prompt, env.action_format) if part)
         if self.chat:
