@@ -54,6 +54,7 @@ class FrozenLake(TextEnv):
         episodes. Cycles earn nothing and a success always earns the most (1 + progress_reward times
         the start's distance), so the best policy is the unshaped one's."""
         self.maps = frozenlake_maps(maps, size, holes, map_seed)
+        self.distances = [distances_to_goal(grid) for grid, _ in self.maps]
         self.invalid_reward = invalid_reward
         self.progress_reward = progress_reward
         self.grid: list[str] = []
@@ -62,7 +63,7 @@ class FrozenLake(TextEnv):
 
     def reset(self, seed: int) -> str:
         self.grid, self.position = self.maps[seed % len(self.maps)]
-        self.distance = distances_to_goal(self.grid)
+        self.distance = self.distances[seed % len(self.maps)]
         return self.render()
 
     def render(self) -> str:
