@@ -38,6 +38,11 @@ TRAFFIC = Traffic()
 # on each side. Tiny job, 100 steps, 4 ranks on 2 cores: 5 ms 1580 samples/s, 1 ms 1940, 0.3 ms 1710
 # (the probing itself then takes the cores the busy ranks need).
 POLL_MAX_SLEEP_S = 1e-3
+# How long an aborting rank waits between printing its cause and MPI_Abort. The launcher forwards a
+# rank's stderr and its abort request on separate channels (hydra: a pipe and the PMI socket), and
+# it may end the world before it forwards the line: the CI once lost the controller's cause of a
+# killed rank, leaving only "the cause is printed above by rank 0" with nothing above it.
+ABORT_FLUSH_S = 0.5
 
 
 def send(obj: Any, dest: int, tag: int, wait: bool = False) -> int:
@@ -128,6 +133,7 @@ def queued(source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> bool:
 def abort(message: str, code: int = 1) -> None:
     """Print on this rank and end every rank of the world now."""
     print(message, file=sys.stderr, flush=True)
+    time.sleep(ABORT_FLUSH_S)
     COMM.Abort(code)
     os._exit(code)  # MPI_Abort may return before the process manager kills this rank: never go on
 
