@@ -216,6 +216,9 @@ def test_rollout_on_the_trainers_own_weights_samples_and_trains_as_with_a_synced
     assert "actor_train" in copied_plan["stages"]["rollout"]["offload"]
     assert all("rollout_logprob_gap_max" not in m for m in shared), "the old log-probs were not recomputed"
     assert all(m["rollout_logprob_gap_max"] < 1e-5 for m in copied)
+    # after step 1 (which counts the checked sync at start): no staging or push round trip
+    assert all(m["time_stage_s"] == m["time_sync_s"] == 0 for m in shared[1:])
+    assert all(m["time_stage_s"] > 0 and m["time_sync_s"] > 0 for m in copied[1:])
     for m, c in zip(_without_times(shared), _without_times(copied)):
         assert m["reward_mean"] == c["reward_mean"] and m["response_len"] == c["response_len"], m["step"]
         for key in ("loss", "kl", "entropy"):

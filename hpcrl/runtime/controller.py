@@ -334,6 +334,9 @@ class Controller:
         if self.staging is not None:   # its reply may have come in while the train call ran
             wait(self.staging.pending)
             self._staged()
+        if self.shared_weights and not digest:   # rollout samples with the trainer's parameters: no copy
+            self.staged_version = self.step
+            return
         self.residency.need("actor_train", "train")   # the weights are read from the trainer's devices
         pending = self.groups["actor_train"].call("stage_weights", Dispatch.ONE_TO_ALL, self.step, digest)
         self.staging = _InFlight(pending, time.perf_counter(), version=self.step)
@@ -369,6 +372,8 @@ class Controller:
         version = self.staged_version
         self.rollout_version = version   # every round started after this runs with these weights
         self.residency.enter("rollout")  # FIFO on the loaders: they are woken before the weights land
+        if self.shared_weights and not digest:   # nothing to send: the trainer's parameters are rollout's
+            return
         self.pushing = _InFlight(_All(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
                                       self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
                                  time.perf_counter(), version=version)
@@ -390,12 +395,14 @@ class Controller:
         self._settle()
         if self.staged_version < self.step:
             self._stage(digest=digest)
-            wait(self.staging.pending)
-            self._staged()
+            if self.staging is not None:
+                wait(self.staging.pending)
+                self._staged()
         if digest or self.rollout_version < self.step:
             self._push(digest=digest)
-            wait(self.pushing.pending)
-            self._pushed()
+            if self.pushing is not None:
+                wait(self.pushing.pending)
+                self._pushed()
 
     def _settle(self) -> None:
         """Let the round, its scoring, the staging and the push in flight end (checks, checkpoints)."""
