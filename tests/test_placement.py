@@ -465,6 +465,17 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 response tokens leave no room for a prompt in the "
                                           "model's context of 64 positions (model.max_position_embeddings)"),
     (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, max_count, modulus, name"),
+    (TINY, ["model.arch=qwen2_moe", "model.num_experts=4", "roles.actor_train.engine=megatron"],
+     "roles.actor_train.engine: megatron converts dense Qwen2/LLaMA models only, and this model has 4 experts"),
+    (TINY, ["model.arch=qwen2_moe", "model.num_experts=8", "roles.actor_infer.engine=vllm"],
+     "roles.actor_infer.engine: vllm: the weight sync sends transformers' fused expert tensors"),
+    (TINY, ["model.num_experts=4"], "num_experts applies to mixture-of-experts archs (qwen2_moe, qwen3_moe, mixtral), "
+                                    "not arch qwen2"),
+    (TINY, ["model.arch=mixtral"], "num_experts: arch mixtral is a mixture of experts; give its number of experts"),
+    (TINY, ["model.arch=mixtral", "model.num_experts=4", "model.shared_expert_intermediate_size=8"],
+     "shared_expert_intermediate_size: arch mixtral has no shared expert"),
+    (TINY, ["model.arch=qwen3_moe", "model.num_experts=2", "model.experts_per_token=3"],
+     "experts_per_token 3 is more than num_experts 2"),
 ]
 
 
@@ -487,6 +498,31 @@ def test_the_plan_refuses_what_an_engine_would_refuse_naming_the_key(files, over
         err = capsys.readouterr().err
         assert code == 2 and message in err, (command, err)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("arch, sizes", [("qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32}),
+                                         ("qwen3_moe", {"num_experts": 8, "experts_per_token": 3}),
+                                         ("mixtral", {"num_experts": 4})])
+def test_moe_parameter_counts_are_the_hugging_face_models(arch, sizes, tmp_path):
+    """Router, experts and (Qwen2-MoE) the gated shared expert, counted from the job's sizes and from
+    a saved model's config.json (with dense layers from mlp_only_layers), equal transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    from hpcrl.engines.hf_model import hf_config, random_model
+
+    class Chars:
+        vocab_size, pad_token_id, bos_token_id, eos_token_id = 40, 0, 1, 2
+
+    model = load_job(TINY_JOB, [f"model.arch={arch}", "model.tie_word_embeddings=false", "model.vocab_size=40",
+                                *[f"model.{k}={v}" for k, v in sizes.items()]]).model
+    built = random_model(model, Chars, seed=1)
+    assert count_parameters(ModelShape.from_model(model)) == sum(p.numel() for p in built.parameters())
+    config = hf_config(model, 40, 0, 1, 2)
+    if arch != "mixtral":
+        config.mlp_only_layers = [0]   # Qwen-MoE can keep some layers dense
+    config.save_pretrained(tmp_path)
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    from_path = load_job(TINY_JOB, [f"model.path={tmp_path}"]).model
+    assert count_parameters(ModelShape.from_model(from_path)) == sum(p.numel() for p in saved.parameters())
 
 
 def test_rejects_memory_over_the_device():

@@ -42,10 +42,15 @@ DEFAULT_STAGES: dict[str, tuple[str, ...]] = {
 }
 
 
-class ModelConfig(Schema):
-    """A Qwen2/LLaMA-style causal LM: built from these sizes with random weights, or loaded from `path`."""
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
+_MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size", "shared_expert_intermediate_size")
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
+
+class ModelConfig(Schema):
+    """A Qwen2/LLaMA-style causal LM, dense or mixture-of-experts (Qwen2-MoE, Qwen3-MoE, Mixtral, as
+    Hugging Face defines them): built from these sizes with random weights, or loaded from `path`."""
+
+    arch: Literal["qwen2", "llama", "qwen2_moe", "qwen3_moe", "mixtral"] = "qwen2"
     path: str | None = Field(None, description="local Hugging Face model directory (nothing is downloaded)")
     hidden_size: PositiveInt = 64
     num_layers: PositiveInt = 2
@@ -58,6 +63,14 @@ class ModelConfig(Schema):
                                   "default: model.path's, else the built-in character tokenizer")
     tie_word_embeddings: bool = True
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_experts: PositiveInt | None = Field(None, description=f"MoE archs ({', '.join(MOE_ARCHS)}): routed experts "
+                                            "per layer")
+    experts_per_token: PositiveInt | None = Field(None, description="MoE archs: experts each token is routed to "
+                                                  "(top-k; default 2)")
+    moe_intermediate_size: PositiveInt | None = Field(None, description="MoE archs: each expert's MLP width "
+                                                      "(default intermediate_size)")
+    shared_expert_intermediate_size: PositiveInt | None = Field(None, description="qwen2_moe: the shared expert's "
+                                                                "MLP width (default intermediate_size)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -66,6 +79,37 @@ class ModelConfig(Schema):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
         return self
+
+    @model_validator(mode="after")
+    def _experts(self) -> "ModelConfig":
+        """MoE sizes belong to MoE archs (and the shared expert to qwen2_moe's), built from sizes."""
+        given = [f for f in _MOE_FIELDS if getattr(self, f) is not None]
+        if self.arch not in MOE_ARCHS:
+            if given:
+                raise ValueError(f"{given[0]} applies to mixture-of-experts archs ({', '.join(MOE_ARCHS)}), not "
+                                 f"arch {self.arch}: remove it or change arch")
+            return self
+        if self.path is not None:
+            if given:
+                raise ValueError(f"{given[0]}: model.path's config.json gives the experts; remove it")
+            return self
+        if self.num_experts is None:
+            raise ValueError(f"num_experts: arch {self.arch} is a mixture of experts; give its number of experts")
+        if self.shared_expert_intermediate_size is not None and self.arch != "qwen2_moe":
+            raise ValueError(f"shared_expert_intermediate_size: arch {self.arch} has no shared expert (qwen2_moe has)")
+        top_k = self.expert_sizes()[1]
+        if top_k > self.num_experts:
+            raise ValueError(f"experts_per_token {top_k} is more than num_experts {self.num_experts}")
+        return self
+
+    def expert_sizes(self) -> tuple[int, int, int, int]:
+        """(routed experts, experts per token, an expert's MLP width, the shared expert's or 0) of a
+        MoE arch built from sizes, defaults filled in; all 0 for a dense one."""
+        if self.arch not in MOE_ARCHS or self.num_experts is None:
+            return 0, 0, 0, 0
+        shared = (self.shared_expert_intermediate_size or self.intermediate_size) if self.arch == "qwen2_moe" else 0
+        return (self.num_experts, self.experts_per_token or 2, self.moe_intermediate_size or self.intermediate_size,
+                shared)
 
 
 class TaskConfig(Schema):

@@ -16,7 +16,8 @@ MODEL_PARALLEL: dict[str, tuple[str, ...]] = {
 _MISSING = {
     ("megatron", "cp"): "context parallelism needs Transformer Engine's attention (the local layer spec hpcrl "
                         "builds has none); use tp, pp or dp",
-    ("megatron", "ep"): "expert parallelism needs a mixture-of-experts model; qwen2 and llama are dense",
+    ("megatron", "ep"): "expert parallelism is not built into the megatron engine yet; a mixture-of-experts model "
+                        "(model.arch qwen2_moe, qwen3_moe, mixtral) trains on engine torch or deepspeed, data parallel",
     ("native", "tp"): "the native sampler runs one whole copy of the model per rank; use dp, or engine: vllm "
                       "on GPUs for tensor parallelism",
     ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",
@@ -39,6 +40,7 @@ class ModelDims:
     num_kv_heads: int
     vocab_size: int
     num_layers: int
+    num_experts: int = 0   # routed experts per MoE layer; 0: a dense model
 
 
 def role_refusals(role: str, engine: str) -> list[str]:
@@ -62,6 +64,14 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
             out.append(f"roles.{role}.parallel.{axis}: {axis} = {size}, but {reason}")
     if dims is None:
         return out
+    if dims.num_experts and engine == "vllm":
+        out.append(f"roles.{role}.engine: vllm: the weight sync sends transformers' fused expert tensors "
+                   "(mlp.experts.gate_up_proj), which vLLM's loader does not take; use engine native for a "
+                   "mixture-of-experts model")
+    if dims.num_experts and engine == "megatron":
+        out.append(f"roles.{role}.engine: megatron converts dense Qwen2/LLaMA models only, and this model has "
+                   f"{dims.num_experts} experts per layer; use engine torch or deepspeed for a mixture-of-experts "
+                   "model")
     tp, pp = sizes["tp"], sizes["pp"]
     if tp > 1 and engine in ("megatron", "vllm"):
         if dims.num_heads % tp:

@@ -106,7 +106,7 @@ GPU_ONLY_ENGINES = ("vllm",)
 def _check_capabilities(roles: dict[str, _Role], shape: ModelShape) -> None:
     """What the engines would refuse at start-up (engines/capabilities.py, the table they check too),
     for the resolved sizes (a colocated role inherits its target's)."""
-    dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers)
+    dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers, shape.num_experts)
     for role in roles.values():
         refused = role_refusals(role.name, role.engine) + parallel_refusals(
             role.name, role.engine, role.parallel.model_dump(), dims)

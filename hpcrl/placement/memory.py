@@ -91,17 +91,29 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    # mixture of experts (0 experts: dense): `moe_layers` of the layers have experts, the rest a dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0
+    qk_norm: bool = False   # Qwen3's per-head RMSNorm of queries and keys
 
     @classmethod
     def from_model(cls, model: ModelConfig) -> "ModelShape":
         """From the job's sizes, or from `model.path`/config.json when a path is given."""
         if model.path:
             return cls._from_hf_config(model)
+        experts, per_token, width, shared = model.expert_sizes()
         return cls(arch=model.arch, hidden_size=model.hidden_size, num_layers=model.num_layers,
                    num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                    head_dim=model.hidden_size // model.num_heads, intermediate_size=model.intermediate_size,
                    vocab_size=model.vocab_size or DEFAULT_VOCAB, tie_word_embeddings=model.tie_word_embeddings,
-                   qkv_bias=model.arch == "qwen2", max_position_embeddings=model.max_position_embeddings)
+                   qkv_bias=model.arch in ("qwen2", "qwen2_moe"),
+                   max_position_embeddings=model.max_position_embeddings,
+                   num_experts=experts, experts_per_token=per_token, expert_intermediate_size=width,
+                   shared_expert_intermediate_size=shared, moe_layers=model.num_layers if experts else 0,
+                   qk_norm=model.arch == "qwen3_moe")
 
     @classmethod
     def _from_hf_config(cls, model: ModelConfig) -> "ModelShape":
@@ -122,25 +134,45 @@ class ModelShape:
             context = int(config.get("max_position_embeddings", model.max_position_embeddings))
             if "max_position_embeddings" in model.model_fields_set:
                 context = min(context, model.max_position_embeddings)
-            return cls(arch=model_type, hidden_size=hidden, num_layers=int(config["num_hidden_layers"]),
+            layers = int(config["num_hidden_layers"])
+            experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+            return cls(arch=model_type, hidden_size=hidden, num_layers=layers,
                        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
                        head_dim=int(config.get("head_dim") or hidden // heads),
                        intermediate_size=int(config["intermediate_size"]),
                        vocab_size=int(config.get("vocab_size") or model.vocab_size or DEFAULT_VOCAB),
                        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                       qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-                       max_position_embeddings=context)
+                       qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+                       max_position_embeddings=context, num_experts=experts,
+                       experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+                       expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"])
+                       if experts else 0,
+                       shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
+                       if experts else 0,
+                       moe_layers=_sparse_layers(config, layers) if experts else 0,
+                       qk_norm=model_type.startswith("qwen3"))
         except KeyError as exc:
             raise PlacementError(f"model.path: {path} has no {exc.args[0]!r}; is it a decoder-only LM config?") from None
 
 
+def _sparse_layers(config: dict, layers: int) -> int:
+    """How many layers of a HF MoE config have experts (Qwen-MoE's decoder_sparse_step and mlp_only_layers)."""
+    step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
 def count_parameters(shape: ModelShape, head: str = "lm") -> int:
-    """Parameters of a Qwen2/LLaMA decoder; head "lm" (vocab projection) or "value" (critic)."""
+    """Parameters of a Qwen2/LLaMA decoder, dense or MoE (router, experts, Qwen2-MoE's gated shared
+    expert); head "lm" (vocab projection) or "value" (critic)."""
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     q = shape.num_heads * shape.head_dim
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if shape.qkv_bias else 0)
-    mlp = 3 * h * shape.intermediate_size
-    layer = attention + mlp + 2 * h
+    attention = (h * q + 2 * h * kv + q * h + ((q + 2 * kv) if shape.qkv_bias else 0)
+                 + (2 * shape.head_dim if shape.qk_norm else 0))
+    dense_mlp = 3 * h * shape.intermediate_size
+    shared = 3 * h * shape.shared_expert_intermediate_size + h if shape.shared_expert_intermediate_size else 0
+    moe_mlp = h * shape.num_experts + shape.num_experts * 3 * h * shape.expert_intermediate_size + shared
+    sparse = min(shape.moe_layers, shape.num_layers)
+    layers = sparse * moe_mlp + (shape.num_layers - sparse) * dense_mlp + shape.num_layers * (attention + 2 * h)
     embedding = shape.vocab_size * h
     if head == "value":
         out = h + 1
@@ -148,7 +180,7 @@ def count_parameters(shape: ModelShape, head: str = "lm") -> int:
         out = 0 if shape.tie_word_embeddings else shape.vocab_size * h
     else:
         raise ValueError(f"head must be 'lm' or 'value', not {head!r}")
-    return embedding + shape.num_layers * layer + h + out
+    return embedding + layers + h + out
 
 
 TRANSIENT_PARTS = ("activations", "logits", "KV cache", "vLLM pool reserve")
@@ -230,6 +262,8 @@ def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
     """Bytes one decoder layer keeps for the backward, per token (see the module doc)."""
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     kv, i = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    if shape.moe_layers:   # a token's MLP activations are those of the experts it is routed to
+        i = shape.experts_per_token * shape.expert_intermediate_size + shape.shared_expert_intermediate_size
     return b * (2 * h + (6 * q + 3 * kv + 4 * i) / tp) + 8 * h
 
 
