@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from hpcrl.engines.hf_model import DTYPES, random_model
 INIT_DIR = "model-init"
 _INIT_STAMP = "hpcrl-init.json"
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_FUSED_EXPERTS = re.compile(r"(.*\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 VALUE_HEAD = ("score.weight", "score.bias")   # a critic's head (transformers' *ForTokenClassification, one label)
 
 
@@ -57,10 +59,32 @@ class ModelFiles:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def _hub_experts(self, name: str) -> list[list[str]] | None:
+        """The per-expert tensors a hub checkpoint stores for transformers' fused expert tensor `name`
+        (`...mlp.experts.gate_up_proj`: each expert's gate and up rows, stacked over experts;
+        `...down_proj`: each expert's down projection), as transformers' conversion mapping merges
+        them on load: Qwen-MoE's `mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral's
+        `block_sparse_moe.experts.E.{w1,w3,w2}.weight`. None when `name` is not one of them."""
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            return None
+        layer, fused = match.groups()
+        for module, parts in (("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
+                              ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)})):
+            experts: list[list[str]] = []
+            while (names := [f"{layer}.{module}.experts.{len(experts)}.{part}.weight" for part in parts[fused]]
+                   )[0] in self._where:
+                experts.append(names)
+            if experts:
+                return experts
+        return None
+
     def _file_of(self, name: str) -> tuple[Path, str]:
         """Where `name` is stored: a tied lm_head is the embedding (HF does not save it twice)."""
         if name not in self._where and name == _HEAD:
             name = _EMBED
+        if name not in self._where and ".mlp." in name:   # Mixtral's hub name for its MoE block (router)
+            name = name.replace(".mlp.", ".block_sparse_moe.")
         if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r} in the safetensors files")
         return self._where[name], name
@@ -73,6 +97,10 @@ class ModelFiles:
         """A tensor's shape, from the file's header (no data read)."""
         if self._new_value_head(name):
             return (1, self.config().hidden_size) if name.endswith("weight") else (1,)
+        experts = None if name in self._where else self._hub_experts(name)
+        if experts is not None:   # stacked over experts, the parts of each concatenated by rows
+            rows, columns = zip(*(self.shape(part) for part in experts[0]))
+            return (len(experts), sum(rows), columns[0])
         file, stored = self._file_of(name)
         with safe_open(file, framework="pt") as handle:
             return tuple(handle.get_slice(stored).get_shape())
@@ -88,6 +116,12 @@ class ModelFiles:
         if self._new_value_head(name):
             whole = torch.zeros(self.shape(name), dtype=dtype or torch.float32)
             return whole if dim is None else whole.narrow(dim, start, (stop or whole.shape[dim]) - start)
+        experts = None if name in self._where else self._hub_experts(name)
+        if experts is not None:   # rows along dim 0 are experts: only those are read
+            if dim not in (None, 0):
+                raise ValueError(f"{self.path}: {name} is stored per expert; it is read by experts (dim 0) only")
+            chosen = experts[start:stop] if dim == 0 else experts
+            return torch.stack([torch.cat([self.read(part, dtype=dtype) for part in parts]) for parts in chosen])
         file, stored = self._file_of(name)
         with safe_open(file, framework="pt") as handle:
             if dim is None:
