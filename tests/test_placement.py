@@ -507,6 +507,8 @@ def test_moe_parameter_counts_are_the_hugging_face_models(arch, sizes, tmp_path)
     """Router, experts and (Qwen2-MoE) the gated shared expert, counted from the job's sizes and from
     a saved model's config.json (with dense layers from mlp_only_layers), equal transformers' own."""
     transformers = pytest.importorskip("transformers")
+    import torch
+
     from hpcrl.engines.hf_model import hf_config, random_model
 
     class Chars:
@@ -523,6 +525,14 @@ def test_moe_parameter_counts_are_the_hugging_face_models(arch, sizes, tmp_path)
     saved = transformers.AutoModelForCausalLM.from_config(config)
     from_path = load_job(TINY_JOB, [f"model.path={tmp_path}"]).model
     assert count_parameters(ModelShape.from_model(from_path)) == sum(p.numel() for p in saved.parameters())
+    # a config.json that leaves the expert counts out means transformers' defaults for its model type
+    fields = json.loads((tmp_path / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        fields.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with torch.device("meta"):
+        defaulted = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert count_parameters(ModelShape.from_model(from_path)) == sum(p.numel() for p in defaulted.parameters())
 
 
 def test_rejects_memory_over_the_device():

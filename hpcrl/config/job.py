@@ -99,7 +99,8 @@ class ModelConfig(Schema):
             raise ValueError(f"shared_expert_intermediate_size: arch {self.arch} has no shared expert (qwen2_moe has)")
         top_k = self.expert_sizes()[1]
         if top_k > self.num_experts:
-            raise ValueError(f"experts_per_token {top_k} is more than num_experts {self.num_experts}")
+            default = "" if self.experts_per_token else " (the default)"
+            raise ValueError(f"experts_per_token {top_k}{default} is more than num_experts {self.num_experts}")
         return self
 
     def expert_sizes(self) -> tuple[int, int, int, int]:

@@ -17,7 +17,7 @@ _MISSING = {
     ("megatron", "cp"): "context parallelism needs Transformer Engine's attention (the local layer spec hpcrl "
                         "builds has none); use tp, pp or dp",
     ("megatron", "ep"): "expert parallelism is not built into the megatron engine yet; a mixture-of-experts model "
-                        "(model.arch qwen2_moe, qwen3_moe, mixtral) trains on engine torch or deepspeed, data parallel",
+                        "(model.arch qwen2_moe, qwen3_moe, mixtral) trains on engine torch, data parallel",
     ("native", "tp"): "the native sampler runs one whole copy of the model per rank; use dp, or engine: vllm "
                       "on GPUs for tensor parallelism",
     ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",
@@ -70,8 +70,7 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
                    "mixture-of-experts model")
     if dims.num_experts and engine == "megatron":
         out.append(f"roles.{role}.engine: megatron converts dense Qwen2/LLaMA models only, and this model has "
-                   f"{dims.num_experts} experts per layer; use engine torch or deepspeed for a mixture-of-experts "
-                   "model")
+                   f"{dims.num_experts} experts per layer; use engine torch for a mixture-of-experts model")
     tp, pp = sizes["tp"], sizes["pp"]
     if tp > 1 and engine in ("megatron", "vllm"):
         if dims.num_heads % tp:

@@ -9,7 +9,10 @@ shards = tp*pp.
 
 - P: embedding V*H; per layer: q H*H (+H bias), k and v H*KV (+KV bias each) with KV = kv_heads *
   head_dim (GQA), o H*H, SwiGLU MLP 3*H*I, two RMSNorms 2*H; final norm H; lm head V*H unless the
-  embeddings are tied. qkv biases for arch qwen2 (and for a llama config.json with attention_bias).
+  embeddings are tied. qkv biases for arch qwen2 and qwen2_moe (and for a config.json with
+  attention_bias); Qwen3's q/k RMSNorms 2*head_dim. A MoE layer (`moe_layers` of them; Qwen-MoE's
+  mlp_only_layers and decoder_sparse_step keep others dense) has a router H*E and E experts of
+  3*H*I_e instead of the MLP, and Qwen2-MoE a shared expert 3*H*I_s with its gate H.
   V = model.vocab_size, or 256 (the built-in task tokenizer's order of size) when unset. The critic
   has a value head (H + 1) instead of the lm head.
 - Model state of a training role (actor_train, critic), by engine:
@@ -35,7 +38,10 @@ shards = tp*pp.
   for a forward-only role its whole share of the step), fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
   backward, per token: b * (2H + 6Q + 3KV + 4I) + 8H bytes (Q = heads * head_dim: the norms'
   outputs, q/k/v before and after RoPE, the repeated k/v and the attention output, SwiGLU's four
-  I-wide tensors; the RMSNorms' fp32 inputs). Q, KV and I are split by tp; a pipeline stage holds
+  I-wide tensors; the RMSNorms' fp32 inputs). In a MoE layer I is k*I_e + I_s (the k experts a
+  token is routed to, and the shared one), plus b*(2k+1)*H (the token's k routed copies and the k
+  expert outputs before their weighted sum) and 8E (fp32 router logits and probabilities),
+  averaged with the dense layers' over the layers. Q, KV and I are split by tp; a pipeline stage holds
   layers / pp layers for up to pp micro-batches in flight (1F1B). train.recompute keeps only
   each layer's input (bH per token, for the pp micro-batches in flight) plus one layer's
   activations.
@@ -135,7 +141,11 @@ class ModelShape:
             if "max_position_embeddings" in model.model_fields_set:
                 context = min(context, model.max_position_embeddings)
             layers = int(config["num_hidden_layers"])
-            experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+            given = {k: v for k, v in config.items() if v is not None}
+            if "num_experts" in given:   # Qwen-MoE's spelling (transformers 4), Mixtral's and transformers 5's below
+                given.setdefault("num_local_experts", given["num_experts"])
+            config = {**_MOE_DEFAULTS.get(model_type, {}), **given}
+            experts = int(config.get("num_local_experts") or 0)
             return cls(arch=model_type, hidden_size=hidden, num_layers=layers,
                        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
                        head_dim=int(config.get("head_dim") or hidden // heads),
@@ -153,6 +163,15 @@ class ModelShape:
                        qk_norm=model_type.startswith("qwen3"))
         except KeyError as exc:
             raise PlacementError(f"model.path: {path} has no {exc.args[0]!r}; is it a decoder-only LM config?") from None
+
+
+# What transformers' MoE configs default to when a config.json leaves a field out
+_MOE_DEFAULTS = {
+    "qwen2_moe": {"num_local_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+}
 
 
 def _sparse_layers(config: dict, layers: int) -> int:
@@ -262,9 +281,14 @@ def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
     """Bytes one decoder layer keeps for the backward, per token (see the module doc)."""
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
     kv, i = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
-    if shape.moe_layers:   # a token's MLP activations are those of the experts it is routed to
-        i = shape.experts_per_token * shape.expert_intermediate_size + shape.shared_expert_intermediate_size
-    return b * (2 * h + (6 * q + 3 * kv + 4 * i) / tp) + 8 * h
+    dense = b * (2 * h + (6 * q + 3 * kv + 4 * i) / tp) + 8 * h
+    if not shape.moe_layers:
+        return dense
+    k = shape.experts_per_token   # a MoE layer: the experts a token is routed to, and their routing
+    routed = k * shape.expert_intermediate_size + shape.shared_expert_intermediate_size
+    sparse = b * (2 * h + (6 * q + 3 * kv + 4 * routed) / tp + (2 * k + 1) * h) + 8 * h + 8 * shape.num_experts
+    share = min(shape.moe_layers, shape.num_layers) / shape.num_layers
+    return share * sparse + (1 - share) * dense
 
 
 def stage_parameters(shape: ModelShape, params: int, pp: int, head: str = "lm") -> int:
