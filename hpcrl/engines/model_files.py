@@ -83,9 +83,8 @@ class ModelFiles:
         """Where `name` is stored: a tied lm_head is the embedding (HF does not save it twice)."""
         if name not in self._where and name == _HEAD:
             name = _EMBED
-        mixtral = name.replace(".mlp.", ".block_sparse_moe.")   # Mixtral's hub name for its MoE block (router)
-        if name not in self._where and mixtral in self._where:
-            name = mixtral
+        if name not in self._where and (mixtral := name.replace(".mlp.", ".block_sparse_moe.")) in self._where:
+            name = mixtral   # Mixtral's hub name for its MoE block (the router)
         if name not in self._where:
             raise KeyError(f"{self.path}: no tensor {name!r} in the safetensors files")
         return self._where[name], name

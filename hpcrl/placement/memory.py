@@ -115,11 +115,10 @@ class ModelShape:
                    num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                    head_dim=model.hidden_size // model.num_heads, intermediate_size=model.intermediate_size,
                    vocab_size=model.vocab_size or DEFAULT_VOCAB, tie_word_embeddings=model.tie_word_embeddings,
-                   qkv_bias=model.arch in ("qwen2", "qwen2_moe"),
+                   qkv_bias=model.arch in _QKV_BIAS_ARCHS, qk_norm=model.arch.startswith("qwen3"),
                    max_position_embeddings=model.max_position_embeddings,
                    num_experts=experts, experts_per_token=per_token, expert_intermediate_size=width,
-                   shared_expert_intermediate_size=shared, moe_layers=model.num_layers if experts else 0,
-                   qk_norm=model.arch == "qwen3_moe")
+                   shared_expert_intermediate_size=shared, moe_layers=model.num_layers if experts else 0)
 
     @classmethod
     def _from_hf_config(cls, model: ModelConfig) -> "ModelShape":
@@ -141,30 +140,20 @@ class ModelShape:
             if "max_position_embeddings" in model.model_fields_set:
                 context = min(context, model.max_position_embeddings)
             layers = int(config["num_hidden_layers"])
-            given = {k: v for k, v in config.items() if v is not None}
-            if "num_experts" in given:   # Qwen-MoE's spelling (transformers 4), Mixtral's and transformers 5's below
-                given.setdefault("num_local_experts", given["num_experts"])
-            config = {**_MOE_DEFAULTS.get(model_type, {}), **given}
-            experts = int(config.get("num_local_experts") or 0)
             return cls(arch=model_type, hidden_size=hidden, num_layers=layers,
                        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
                        head_dim=int(config.get("head_dim") or hidden // heads),
                        intermediate_size=int(config["intermediate_size"]),
                        vocab_size=int(config.get("vocab_size") or model.vocab_size or DEFAULT_VOCAB),
                        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                       qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
-                       max_position_embeddings=context, num_experts=experts,
-                       experts_per_token=int(config.get("num_experts_per_tok") or 0) if experts else 0,
-                       expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"])
-                       if experts else 0,
-                       shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
-                       if experts else 0,
-                       moe_layers=_sparse_layers(config, layers) if experts else 0,
-                       qk_norm=model_type.startswith("qwen3"))
+                       qkv_bias=model_type in _QKV_BIAS_ARCHS or bool(config.get("attention_bias", False)),
+                       qk_norm=model_type.startswith("qwen3"), max_position_embeddings=context,
+                       **_expert_fields(config, model_type, layers))
         except KeyError as exc:
             raise PlacementError(f"model.path: {path} has no {exc.args[0]!r}; is it a decoder-only LM config?") from None
 
 
+_QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
 # What transformers' MoE configs default to when a config.json leaves a field out
 _MOE_DEFAULTS = {
     "qwen2_moe": {"num_local_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
@@ -174,10 +163,22 @@ _MOE_DEFAULTS = {
 }
 
 
-def _sparse_layers(config: dict, layers: int) -> int:
-    """How many layers of a HF MoE config have experts (Qwen-MoE's decoder_sparse_step and mlp_only_layers)."""
+def _expert_fields(config: dict, model_type: str, layers: int) -> dict[str, int]:
+    """ModelShape's MoE fields from a HF config.json (none for a dense model); a field it leaves
+    out takes transformers' default for its model type."""
+    given = {k: v for k, v in config.items() if v is not None}
+    if "num_experts" in given:   # Qwen-MoE's spelling (transformers 4), Mixtral's and transformers 5's below
+        given.setdefault("num_local_experts", given["num_experts"])
+    config = {**_MOE_DEFAULTS.get(model_type, {}), **given}
+    experts = int(config.get("num_local_experts") or 0)
+    if not experts:
+        return {}
     step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
-    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return {"num_experts": experts, "experts_per_token": int(config.get("num_experts_per_tok") or 0),
+            "expert_intermediate_size": int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+            "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+            # Qwen-MoE keeps the layers of mlp_only_layers, and those off decoder_sparse_step, dense
+            "moe_layers": sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)}
 
 
 def count_parameters(shape: ModelShape, head: str = "lm") -> int:

@@ -328,13 +328,18 @@ class Controller:
         self.training = _InFlight(_All(*calls), time.perf_counter(), version=step, metrics=metrics)
 
     # -- the weight sync ----------------------------------------------------------------------
+    def _copies_weights(self, digest: bool) -> bool:
+        """Whether a sync stages and pushes: not when rollout samples with the trainer's own
+        parameters, unless digests are asked for (they are compared on both sides)."""
+        return digest or not self.shared_weights
+
     def _stage(self, digest: bool) -> None:
         """The trainer copies the weights of its current version to host memory (FIFO after the
         train call that made them, before the next)."""
         if self.staging is not None:   # its reply may have come in while the train call ran
             wait(self.staging.pending)
             self._staged()
-        if self.shared_weights and not digest:   # rollout samples with the trainer's parameters: no copy
+        if not self._copies_weights(digest):
             self.staged_version = self.step
             return
         self.residency.need("actor_train", "train")   # the weights are read from the trainer's devices
@@ -372,7 +377,7 @@ class Controller:
         version = self.staged_version
         self.rollout_version = version   # every round started after this runs with these weights
         self.residency.enter("rollout")  # FIFO on the loaders: they are woken before the weights land
-        if self.shared_weights and not digest:   # nothing to send: the trainer's parameters are rollout's
+        if not self._copies_weights(digest):
             return
         self.pushing = _InFlight(_All(self.servers.call("push", Dispatch.ONE_TO_ALL, version),
                                       self.loaders.call("receive_weights", Dispatch.ONE_TO_ALL, digest)),
