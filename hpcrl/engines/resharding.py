@@ -7,7 +7,12 @@ re-interleaved), PP stages number their layers from 0 and are shifted by the sta
 (each stage's leader yields its own layers), and
 Megatron's fused QKV (per query group: that group's query heads, then its key and value head) is
 cut back into q/k/v projections. Conversion follows the mcore <-> HF converters of verl,
-NeMo-RL and ROLL for the local (non-Transformer-Engine) layer spec of Qwen2 and LLaMA.
+NeMo-RL and ROLL for the local (non-Transformer-Engine) layer spec of Qwen2 and LLaMA, and of the
+mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, Mixtral): the router is HF's `mlp.gate`, expert
+e of a layer is `mlp.experts.local_experts.e` (numbered within its EP rank: rank r holds experts
+r*E/ep ...), each a SwiGLU MLP whose fc1/fc2 are row e of transformers' fused, expert-stacked
+`mlp.experts.gate_up_proj` / `down_proj`; Qwen2-MoE's shared expert and its sigmoid gate are
+`mlp.shared_experts.*`, Qwen3's q/k RMSNorms `self_attention.{q,k}_layernorm`.
 
 Everything here is torch only: no megatron import, so the layout logic is testable anywhere.
 """
@@ -33,8 +38,13 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_RENAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 _MODEL_RENAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -42,7 +52,13 @@ _MODEL_RENAMES = {
     "output_layer.weight": "lm_head.weight",
 }
 _QKV = "self_attention.linear_qkv."
-_FC1 = "mlp.linear_fc1.weight"
+_FC1 = "linear_fc1.weight"   # a SwiGLU MLP's fused [gate; up]: the dense MLP's, an expert's, the shared expert's
+# Megatron fc1 -> the HF [gate, up] pair it fuses, for the dense MLP and Qwen2-MoE's shared expert.
+_GATE_UP = {"mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight",
+                                                     "mlp.shared_expert.up_proj.weight")}
+_EXPERT = re.compile(r"^(.*)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_HF_EXPERTS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
 # The dimension each tensor-parallel layer splits: column-parallel layers (and the vocab-parallel
 # embedding) split their output rows, row-parallel layers their input columns; norms are replicated.
 _COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", _FC1, "word_embeddings.weight", "output_layer.weight")
@@ -51,19 +67,21 @@ _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
 
 @dataclass(frozen=True)
 class GPTShape:
-    """The sizes the layout conversion depends on (a Qwen2/LLaMA decoder)."""
+    """The sizes the layout conversion depends on (a Qwen2/LLaMA decoder, dense or MoE)."""
 
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     tied: bool
+    num_experts: int = 0   # routed experts per layer (0: dense)
 
     @classmethod
     def from_hf(cls, config) -> GPTShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
         return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   bool(config.tie_word_embeddings))
+                   bool(config.tie_word_embeddings), int(experts))
 
 
 # ---- full tensors: HF <-> Megatron names and fused layouts ----------------------------------------------------
@@ -81,6 +99,11 @@ def _split_qkv(qkv: torch.Tensor, shape: GPTShape) -> tuple[torch.Tensor, ...]:
     per_group = shape.num_heads // groups * d
     q, k, v = qkv.reshape(groups, per_group + 2 * d, *rest).split([per_group, d, d], dim=1)
     return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+_HF_GATE = {gate: fc1 for fc1, (gate, _) in _GATE_UP.items()}
+_HF_UP = {up for _, up in _GATE_UP.values()}
+_HF_EXPERT_NAMES = {hf: fc for fc, hf in _HF_EXPERTS.items()}
 
 
 def hf_to_mcore(hf: Mapping[str, torch.Tensor], shape: GPTShape) -> dict[str, torch.Tensor]:
@@ -102,9 +125,12 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], shape: GPTShape) -> dict[str, to
             kind = rest.rsplit(".", 1)[1]
             out[prefix + _QKV + kind] = _fuse_qkv(
                 *(hf[f"{hf_prefix}self_attn.{p}_proj.{kind}"] for p in "qkv"), shape)
-        elif rest == "mlp.gate_proj.weight":
-            out[prefix + _FC1] = torch.cat([tensor, hf[hf_prefix + "mlp.up_proj.weight"]], dim=0)
-        elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")) or rest == "mlp.up_proj.weight":
+        elif rest in _HF_GATE:
+            out[prefix + _HF_GATE[rest]] = torch.cat([tensor, hf[hf_prefix + _GATE_UP[_HF_GATE[rest]][1]]], dim=0)
+        elif rest in _HF_EXPERT_NAMES:   # [E, ...]: expert e's fc1 [gate_e; up_e] or fc2
+            for expert, weight in enumerate(tensor):
+                out[f"{prefix}mlp.experts.local_experts.{expert}.{_HF_EXPERT_NAMES[rest]}.weight"] = weight
+        elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")) or rest in _HF_UP:
             continue  # fused with q_proj / gate_proj above
         else:
             mcore = {v: k for k, v in _LAYER_RENAMES.items()}.get(rest)
@@ -112,6 +138,11 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], shape: GPTShape) -> dict[str, to
                 raise KeyError(f"HF -> Megatron: no Megatron parameter for {name!r}")
             out[prefix + mcore] = tensor
     return out
+
+
+def _hf_layer(prefix: str) -> str:
+    """"model.layers.N." of "decoder.layers.N."."""
+    return prefix.replace("decoder.layers.", "model.layers.", 1)
 
 
 def _hf_layer_prefix(name: str, error: str) -> tuple[str, str]:
@@ -124,19 +155,39 @@ def _hf_layer_prefix(name: str, error: str) -> tuple[str, str]:
 
 
 def mcore_to_hf(name: str, tensor: torch.Tensor, shape: GPTShape) -> list[Named]:
-    """HF tensors of one unsharded Megatron parameter (global layer number); [] for a tied output layer."""
+    """HF tensors of one unsharded Megatron parameter (global layer number); [] for a tied output
+    layer. Not for an expert's: HF stacks a layer's experts in one tensor (`mcore_state_to_hf`)."""
     if name in _MODEL_RENAMES:
         return [] if name == "output_layer.weight" and shape.tied else [(_MODEL_RENAMES[name], tensor)]
     prefix, rest = _hf_layer_prefix(name, "Megatron -> HF: unknown parameter")
     if rest.startswith(_QKV):
         kind = rest[len(_QKV):]
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", _split_qkv(tensor, shape))]
-    if rest == _FC1:
-        gate, up = tensor.chunk(2, dim=0)
-        return [(prefix + "mlp.gate_proj.weight", gate.contiguous()), (prefix + "mlp.up_proj.weight", up.contiguous())]
+    if rest in _GATE_UP:
+        return [(prefix + hf, t.contiguous()) for hf, t in zip(_GATE_UP[rest], tensor.chunk(2, dim=0))]
     if rest not in _LAYER_RENAMES:
         raise KeyError(f"Megatron -> HF: unknown parameter {name!r}")
     return [(prefix + _LAYER_RENAMES[rest], tensor)]
+
+
+def mcore_state_to_hf(named: Iterable[Named], shape: GPTShape) -> Iterator[Named]:
+    """HF tensors of unsharded Megatron parameters (global layer and expert numbers), in order; a
+    layer's experts are held until the last of them arrives, then yielded as one stacked tensor."""
+    pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in named:
+        match = _EXPERT.match(name)
+        if match is None:
+            yield from mcore_to_hf(name, tensor, shape)
+            continue
+        layer, expert, fc = match.groups()
+        experts = pending.setdefault((layer, fc), {})
+        experts[int(expert)] = tensor
+        if len(experts) == shape.num_experts:
+            yield _hf_layer(layer) + _HF_EXPERTS[fc], torch.stack([experts[e] for e in range(shape.num_experts)])
+            del pending[layer, fc]
+    if pending:
+        raise KeyError(f"Megatron -> HF: experts missing of {sorted(pending)}: "
+                       f"got {[sorted(e) for e in pending.values()]} of {shape.num_experts}")
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------------
@@ -174,6 +225,18 @@ def merge_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 
 # ---- pipeline parallelism ---------------------------------------------------------------------------------------
 
+def expert_offset(name: str, offset: int) -> str:
+    """A parameter name with its expert number shifted by `offset` (EP-rank-local <-> global)."""
+    match = _EXPERT.match(name)
+    return name if match is None else \
+        f"{match.group(1)}mlp.experts.local_experts.{int(match.group(2)) + offset}.{match.group(3)}.weight"
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's parameter: split over EP ranks, replicated over expert-data-parallel ones."""
+    return _EXPERT.match(name) is not None
+
+
 def layer_offset(num_layers: int, pp: int, pp_rank: int) -> int:
     """Global number of a stage's first layer (Megatron's even split; each stage counts from 0)."""
     if num_layers % pp:
@@ -188,20 +251,27 @@ def renumber(name: str, offset: int) -> str:
 
 
 def stage_state(full: Mapping[str, torch.Tensor], shape: GPTShape, tp: int, tp_rank: int, pp: int,
-                pp_rank: int) -> dict[str, torch.Tensor]:
-    """What one (TP rank, PP stage) of a Megatron GPTModel holds, under its local names.
+                pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """What one (TP rank, PP stage, EP rank) of a Megatron GPTModel holds, under its local names.
 
     The first stage holds the embedding, the last the final norm and output layer; with tied
     embeddings and pp > 1 the last stage keeps its own copy of the embedding as `output_layer`.
+    EP rank r holds experts r*E/ep ... (r+1)*E/ep - 1, numbered from 0.
     """
     per_stage = shape.num_layers // pp
     first = layer_offset(shape.num_layers, pp, pp_rank)
+    per_rank = shape.num_experts // ep
     out = {}
     for name, tensor in full.items():
         match = _LAYER.match(name)
         if match is not None:
             if not first <= int(match.group(1)) < first + per_stage:
                 continue
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                if not ep_rank * per_rank <= int(expert.group(2)) < (ep_rank + 1) * per_rank:
+                    continue
+                name = expert_offset(name, -ep_rank * per_rank)
         elif name.startswith("embedding.") and pp_rank != 0:
             continue
         elif name.startswith(("decoder.final_layernorm", "output_layer")) and pp_rank != pp - 1:
@@ -225,12 +295,22 @@ def _rows(reader: TensorReader, name: str, per_rank: int, rank: int, dtype: torc
 
 
 def read_stage_tensor(reader: TensorReader, local_name: str, shape: GPTShape, sizes: Mapping[str, int], tp: int,
-                      tp_rank: int, pp: int, pp_rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """One parameter of a (TP rank, PP stage) of a Megatron GPTModel, read straight from HF tensors:
-    only the rows or columns this TP rank holds (what `stage_state(hf_to_mcore(...))` gives).
+                      tp_rank: int, pp: int, pp_rank: int, dtype: torch.dtype, ep: int = 1, ep_rank: int = 0
+                      ) -> torch.Tensor:
+    """One parameter of a (TP rank, PP stage, EP rank) of a Megatron GPTModel, read straight from HF
+    tensors: only the rows or columns this TP rank holds, of the experts this EP rank holds (what
+    `stage_state(hf_to_mcore(...))` gives).
 
-    `sizes`: the unsharded sizes the slices depend on ("vocab", "ffn")."""
+    `sizes`: the unsharded sizes the slices depend on ("vocab", "ffn", and "shared_ffn": Qwen2-MoE's
+    shared expert)."""
     name = renumber(local_name, layer_offset(shape.num_layers, pp, pp_rank))
+    name = expert_offset(name, ep_rank * (shape.num_experts // max(1, ep)))
+    expert = _EXPERT.match(name)
+    if expert is not None:   # one expert's row of the stacked HF tensor, then this TP rank's part of it
+        layer, index, fc = expert.groups()
+        stacked = reader.read(_hf_layer(layer) + _HF_EXPERTS[fc], 0,
+                              int(index), int(index) + 1, dtype)[0]
+        return split_tp(fc + ".weight", stacked, tp)[tp_rank]
     if name == "embedding.word_embeddings.weight":
         return _rows(reader, "model.embed_tokens.weight", sizes["vocab"] // tp, tp_rank, dtype)
     if name == "output_layer.weight":   # tied: the last stage's copy of the embedding
@@ -248,15 +328,14 @@ def read_stage_tensor(reader: TensorReader, local_name: str, shape: GPTShape, si
                 for p in "kv")
         local = GPTShape(shape.num_layers, shape.num_heads // tp, groups, shape.head_dim, shape.tied)
         return _fuse_qkv(q, k, v, local)
-    if rest == _FC1:
-        per_rank = sizes["ffn"] // tp
-        return torch.cat([_rows(reader, f"{prefix}mlp.{p}_proj.weight", per_rank, tp_rank, dtype)
-                          for p in ("gate", "up")], dim=0)
+    ffn = sizes["shared_ffn"] if rest.startswith("mlp.shared_experts.") else sizes["ffn"]
+    if rest in _GATE_UP:
+        return torch.cat([_rows(reader, prefix + hf, ffn // tp, tp_rank, dtype) for hf in _GATE_UP[rest]], dim=0)
     hf = prefix + _LAYER_RENAMES.get(rest, "")
     if rest not in _LAYER_RENAMES:
         raise KeyError(f"HF -> Megatron: no HF tensor for Megatron parameter {name!r}")
     if tp_dim(rest) == 1:   # row parallel: o_proj's input is the heads, down_proj's the MLP width
-        per_rank = (shape.num_heads * shape.head_dim if rest.startswith("self_attention") else sizes["ffn"]) // tp
+        per_rank = (shape.num_heads * shape.head_dim if rest.startswith("self_attention") else ffn) // tp
         return reader.read(hf, 1, tp_rank * per_rank, (tp_rank + 1) * per_rank, dtype)
     return reader.read(hf, dtype=dtype)
 
@@ -318,16 +397,42 @@ def _gather_tp(local: list[Named], group: dist.ProcessGroup | None, bucket_bytes
                 yield name, merge_tp(name, [shards[index] for shards in per_rank])
 
 
-def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup | None, pp: int, pp_rank: int,
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Named]:
-    """One pipeline stage's full HF-named tensors (global layer numbers), yielded on the stage's TP
-    rank 0; every stage at once, none funnelled through another (the weight sync sends each stage
-    from its own leader).
+def _gather_ep(local: list[Named], group: dist.ProcessGroup | None, bucket_bytes: int) -> list[Named] | None:
+    """On EP rank 0, `local` with the routed experts of every EP rank (global expert numbers), one
+    flat `gather` per bucket of expert tensors; None on the other EP ranks."""
+    ep = dist.get_world_size(group) if group is not None else 1
+    if ep == 1:
+        return local
+    experts = [(name, t) for name, t in local if is_expert(name)]
+    tensors = dict(experts)
+    per_rank = len({_EXPERT.match(name).group(2) for name, _ in experts})
+    leader = dist.get_rank(group) == 0
+    out = [(name, t) for name, t in local if not is_expert(name)]
+    for bucket in plan_buckets(_meta(experts), bucket_bytes):
+        flat = _flatten_dense_tensors([tensors[name].contiguous() for name, _, _ in bucket])
+        gathered = [torch.empty_like(flat) for _ in range(ep)] if leader else None
+        dist.gather(flat, gathered, group=group, group_dst=0)
+        if leader:
+            out += [(expert_offset(name, rank * per_rank), t) for rank, g in enumerate(gathered)
+                    for (name, _, _), t in zip(bucket, _unflatten(g, bucket))]
+    return out if leader else None
 
-    Collective: every rank of the TP group iterates it to the end (the others yield nothing). TP
-    shards are gathered bucket by bucket to TP rank 0. Tensors stay on the device of `local` (NCCL
-    moves device tensors only).
+
+def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup | None, pp: int, pp_rank: int,
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, ep_group: dist.ProcessGroup | None = None
+              ) -> Iterator[Named]:
+    """One pipeline stage's full HF-named tensors (global layer numbers), yielded on the stage's TP
+    rank 0 of EP rank 0; every stage at once, none funnelled through another (the weight sync
+    sends each stage from its own leader).
+
+    Collective: every rank of the TP and EP groups iterates it to the end (the others yield
+    nothing). Experts are gathered bucket by bucket to EP rank 0 first (each TP rank its own
+    shards), then TP shards to TP rank 0 (whose TP group has the same EP rank). Tensors stay on
+    the device of `local` (NCCL moves device tensors only).
     """
+    local = _gather_ep(local, ep_group, bucket_bytes)
+    if local is None:
+        return
     merged = _gather_tp(local, tp_group, bucket_bytes)
     if tp_group is not None and dist.get_rank(tp_group) != 0:
         for _ in merged:
@@ -337,7 +442,7 @@ def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup |
 
 
 def hf_tensors(merged: Iterable[Named], shape: GPTShape, pp: int, pp_rank: int) -> Iterator[Named]:
-    """HF tensors of one pipeline stage's unsharded Megatron parameters (stage-local names)."""
+    """HF tensors of one pipeline stage's unsharded Megatron parameters (stage-local layer
+    numbers, global expert numbers)."""
     offset = layer_offset(shape.num_layers, pp, pp_rank)
-    for name, full in merged:
-        yield from mcore_to_hf(renumber(name, offset), full, shape)
+    return mcore_state_to_hf(((renumber(name, offset), full) for name, full in merged), shape)
