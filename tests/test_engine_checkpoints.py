@@ -3,6 +3,8 @@
 A rank is killed in step 3; the run restarts from step 2's checkpoint (the engine's own model and
 optimizer state) and must end with the weights and rewards of a run that was never interrupted.
 The torch engine with DDP has the same test in test_recovery.py. The engines run on CPU over gloo.
+Megatron trains a mixture-of-experts model with expert parallelism (ep = 2 over its 2 ranks): its
+files hold each EP rank's experts, and the dense and the expert optimizer state resume alike.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from hpcrl.metrics import read_metrics
 
 ENGINES = {  # name -> (the module its extra installs, the job overrides)
     "torch-fsdp2": ("torch", ["roles.actor_train.fsdp=true"]),
-    "megatron": ("megatron", ["roles.actor_train.engine=megatron"]),
+    "megatron-moe-ep2": ("megatron", ["roles.actor_train.engine=megatron", "roles.reference.engine=megatron",
+                                      "roles.actor_train.parallel.ep=2", "model.arch=qwen2_moe", "model.num_experts=4",
+                                      "model.moe_intermediate_size=32"]),
     "deepspeed-zero2": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=2"]),
     "deepspeed-zero3": ("deepspeed", ["roles.actor_train.engine=deepspeed", "roles.actor_train.zero_stage=3"]),
 }

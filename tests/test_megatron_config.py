@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
 from hpcrl.config import REPO_ROOT, load_job, load_profile
 from hpcrl.engines import registry
@@ -44,9 +44,39 @@ def test_llama_has_no_qkv_bias_and_ties_embeddings_when_hf_does():
     assert gpt_model_kwargs(config)["share_embeddings_and_output_weights"]
 
 
+@pytest.mark.parametrize("config, expected", [
+    # Qwen without norm_topk_prob keeps the top-k of a softmax over all experts as they are: pre-softmax
+    (Qwen2MoeConfig(**QWEN, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=32),
+     {"num_moe_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 16, "moe_router_pre_softmax": True,
+      "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True, "add_qkv_bias": True,
+      "qk_layernorm": False}),
+    # with it (Qwen3-30B-A3B's config) they are renormalised: a softmax over the top-k logits
+    (Qwen3MoeConfig(**QWEN, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=24, norm_topk_prob=True),
+     {"num_moe_experts": 8, "moe_router_topk": 4, "moe_ffn_hidden_size": 24, "moe_router_pre_softmax": False,
+      "add_qkv_bias": False, "qk_layernorm": True}),
+    (MixtralConfig(**QWEN, num_local_experts=4, num_experts_per_tok=2),
+     {"num_moe_experts": 4, "moe_ffn_hidden_size": 96, "moe_router_pre_softmax": False, "add_qkv_bias": False}),
+])
+def test_moe_models_translate_to_megatron_routers_that_route_as_transformers_does(config, expected):
+    kwargs = transformer_config_kwargs(config, {"tp": 2, "ep": 2, "dp": 2}, torch.float32)
+    assert {key: kwargs.get(key) for key in expected} == expected
+    assert "moe_shared_expert_intermediate_size" in kwargs or "shared_expert_intermediate_size" not in expected
+    assert kwargs["expert_model_parallel_size"] == 2 and kwargs["moe_token_dispatcher_type"] == "alltoall"
+    assert kwargs["sequence_parallel"], "megatron-core trains MoE layers with tp > 1 only under sequence parallelism"
+    assert kwargs["moe_aux_loss_coeff"] == 0 and kwargs["moe_router_dtype"] == "fp32"
+
+
+def test_a_qwen_moe_with_dense_layers_is_refused():
+    config = Qwen2MoeConfig(**QWEN, num_experts=4, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match="mlp_only_layers=.1., decoder_sparse_step=1: the megatron engine builds "
+                                         "every layer with experts"):
+        transformer_config_kwargs(config, {}, torch.float32)
+
+
 @pytest.mark.parametrize("change, parallel, message", [
     ({}, {"cp": 2}, "context parallelism needs Transformer Engine"),
-    ({}, {"ep": 2}, "expert parallelism is not built into the megatron engine yet"),
+    ({}, {"ep": 2, "dp": 2}, "ep = 2 splits the experts of a mixture-of-experts model, and this model is dense"),
     ({}, {"tp": 4}, r"2 KV heads \(model.num_kv_heads\) do not split over tp = 4"),
     ({"vocab_size": 33}, {"tp": 2}, "model.vocab_size: 33 does not split evenly"),
     ({"hidden_act": "gelu"}, {}, "only SwiGLU"),
@@ -81,6 +111,10 @@ def test_packed_rows_start_at_column_zero_and_index_the_logits_that_predict_each
     assert picked[0].tolist() == [9, 2] and picked[1, 0].item() == 3
     assert batch["response_mask"].tolist() == [[1.0, 1.0], [1.0, 0.0]]
     assert batch["advantages"].tolist() == [[0.5, 0.5], [1.0, 0.0]]
+    # sequence parallelism splits the positions evenly over the TP ranks: the width is padded to a multiple
+    split = pack(ids([[1, 5], [1, 6, 7, 8]]), ids([[9, 2], [3]]), pad_id=0, multiple=4)
+    assert split["tokens"].tolist() == [[1, 5, 9, 2, 0, 0, 0, 0], [1, 6, 7, 8, 3, 0, 0, 0]]
+    assert torch.equal(split["targets"].gather(1, split["index"]), picked)
 
 
 def test_pipeline_micro_batches_fill_the_pipeline_split_evenly_and_keep_the_bounds():

@@ -1,11 +1,13 @@
-"""The megatron engine for real: megatron-core GPTModel on CPU over gloo, 3 MPI ranks.
+"""The megatron engine for real: megatron-core GPTModel on CPU over gloo, 5 MPI ranks.
 
-Rank 0 plays the controller (in no role, like the runtime's rank 0), ranks 1-2 host the Megatron
-role, so the groups are those of a sub-world. One MPI run goes through three layouts — TP=2,
-PP=2 (tied embeddings), DP=2 with the distributed optimizer — and in each compares the engine
-with the HF model and the torch engine on the same weights and data: log-probabilities (on the last pipeline stage),
-the weights gathered back to HF names (TP 2 -> 1 on each stage's leader, the stages together), and
-two PPO optimizer steps.
+Rank 0 plays the controller (in no role, like the runtime's rank 0), ranks 1-2 (or 1-4) host the
+Megatron role, so the groups are those of a sub-world. One MPI run goes through the layouts — TP=2,
+PP=2 (tied embeddings), DP=2 with the distributed optimizer, and mixture-of-experts models with
+expert parallelism: EP=2 (Qwen2-MoE, shared expert), TP=2 x EP=2 (Qwen3-MoE, q/k norms; sequence
+parallel), EP=4 (Mixtral) — and in each compares the engine with the HF model and the torch engine
+on the same weights and data: log-probabilities (on the last pipeline stage), the weights gathered
+back to HF names (TP 2 -> 1 and every EP rank's experts on each stage's leader, the stages
+together), and two PPO optimizer steps (weights, and the gradient norm: a global figure also with DP).
 Run as a script (by the fixture) it is the MPI program; rank 1 writes the findings as JSON.
 """
 from __future__ import annotations
@@ -22,17 +24,21 @@ from conftest import mpi_findings
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (pip install hpcrl[megatron])")
 
-ROLE_RANKS = [1, 2]
-LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings)
-    "tp2": ({"tp": 2}, "qwen2", False),
-    "pp2": ({"pp": 2}, "llama", True),
-    "dp2": ({"dp": 2}, "qwen2", True),
+WORLD = 5
+LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings, the role's world ranks)
+    "tp2": ({"tp": 2}, "qwen2", False, [1, 2]),
+    "pp2": ({"pp": 2}, "llama", True, [1, 2]),
+    "dp2": ({"dp": 2}, "qwen2", True, [1, 2]),
+    "ep2": ({"ep": 2}, "qwen2_moe", False, [1, 2]),
+    "tp2ep2": ({"tp": 2, "ep": 2}, "qwen3_moe", False, [1, 2, 3, 4]),
+    "ep4": ({"ep": 4}, "mixtral", True, [1, 2, 3, 4]),
 }
+MOE = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 16}
 
 
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory) -> dict:
-    return mpi_findings(__file__, 3, tmp_path_factory.mktemp("megatron") / "findings.json", timeout=300)
+    return mpi_findings(__file__, WORLD, tmp_path_factory.mktemp("megatron") / "findings.json", timeout=600)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -59,7 +65,8 @@ def test_two_ppo_steps_match_the_torch_engine(findings, layout):
     found = findings[layout]
     assert found["trained_weights_max_diff"] < 2e-5, found
     assert found["weights_changed"] > 1e-4
-    if layout != "dp2":  # with DP each replica reports its own shard's metrics
+    assert abs(found["metrics"]["grad_norm"] - found["reference_metrics"]["grad_norm"]) < 1e-5, found
+    if layout in ("tp2", "pp2"):  # with DP each replica reports its own shard's loss
         for key in ("loss", "entropy", "kl_loss", "clipfrac", "grad_norm"):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-4, (key, found)
 
@@ -78,10 +85,12 @@ def test_offload_frees_storage_and_reload_restores_weights_and_optimizer_state(f
 def _job(arch: str, tied: bool):
     from hpcrl.config.job import JobConfig
 
+    experts = {**MOE, **({"shared_expert_intermediate_size": 24} if arch == "qwen2_moe" else {})} \
+        if arch in ("qwen2_moe", "qwen3_moe", "mixtral") else {}
     return JobConfig.model_validate({
         "name": "megatron-test", "task": {"name": "addition"},
         "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "intermediate_size": 48, "tie_word_embeddings": tied},
+                  "intermediate_size": 48, "tie_word_embeddings": tied, **experts},
         "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01},
         "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
         "rollout": {"temperature": 0.9},
@@ -143,16 +152,16 @@ def _vocab_parallel_check(tp_group) -> float:
                float((shard.grad - whole.grad[..., rank * width:(rank + 1) * width]).abs().max()))
 
 
-def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict | None:
+def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[int], rank: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
     from hpcrl.data import CharTokenizer
     from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
 
-    groups = role_rank_groups(parallel, ROLE_RANKS)
+    groups = role_rank_groups(parallel, role_ranks)
     mine = new_role_groups(groups, rank)  # collective: the controller rank takes part too
-    if rank not in ROLE_RANKS:
+    if rank not in role_ranks:
         return None
     from megatron.core.parallel_state import RankGenerator
 
@@ -167,12 +176,16 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, rank: int) -> dict
     from hpcrl.engines.torch_trainer import TorchTrainer
 
     sizes = {k: parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep")}
-    dp = len(ROLE_RANKS) // (sizes["tp"] * sizes["pp"])
+    dp = len(role_ranks) // (sizes["tp"] * sizes["pp"])
     generator = RankGenerator(tp=sizes["tp"], ep=1, dp=dp, pp=sizes["pp"], cp=1, order="tp-cp-ep-dp-pp",
-                              rank_offset=ROLE_RANKS[0])
+                              rank_offset=role_ranks[0])
+    experts = RankGenerator(tp=sizes["tp"], ep=sizes["ep"], dp=dp // sizes["ep"], pp=sizes["pp"], cp=1,
+                            order="tp-cp-ep-dp-pp", rank_offset=role_ranks[0])
     found: dict = {"groups": groups, "groups_match_megatron": all(
         groups[kind] == generator.get_ranks(token) for kind, token in
-        (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("mp", "tp-pp"), ("dp_cp", "dp-cp")))}
+        (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("mp", "tp-pp"), ("dp_cp", "dp-cp")))
+        and all(groups[kind] == experts.get_ranks(token) for kind, token in
+                (("ep", "ep"), ("expt_dp", "dp"), ("expt_tp", "tp"), ("tp_ep", "tp-ep")))}
 
     job = _job(arch, tied)
     tokenizer = CharTokenizer()
@@ -266,8 +279,8 @@ def main(out: Path) -> None:
         traceback.print_exc()
         comm.Abort(1)  # the other ranks would wait in a collective forever
         raise
-    everyone = comm.gather(mine, root=ROLE_RANKS[0])
-    if rank == ROLE_RANKS[0]:
+    everyone = comm.gather(mine, root=1)
+    if rank == 1:
         merged = {name: _merge([r[name] for r in everyone if r[name] is not None]) for name in LAYOUTS}
         out.write_text(json.dumps(merged))
     dist.barrier()  # rank 0 hosts the rendezvous store: it must outlive the others' group creation

@@ -1,7 +1,10 @@
 """Mixture-of-experts models (Qwen2-MoE: router, experts, gated shared expert) through the whole run:
-GRPO with native rollout on the tiny task, the experts' weights synced to rollout and checked by
-digest after every step, and the checkpoint exported to a directory transformers loads strictly."""
+GRPO with native rollout on the tiny task, trained by the torch engine and by megatron with expert
+parallelism, the experts' weights synced to rollout and checked by digest after every step, and the
+checkpoint exported to a directory transformers loads strictly."""
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -47,12 +50,21 @@ MOE = ["model.arch=qwen2_moe", "model.num_experts=4", "model.experts_per_token=2
        "checkpoint.every=3", "log.check_weights=true"]
 
 
-def test_grpo_trains_a_moe_model_end_to_end_and_its_experts_reach_rollout_and_the_export(tmp_path):
+ENGINES = {"torch": [], "megatron-ep2": ["roles.actor_train.engine=megatron", "roles.reference.engine=megatron",
+                                          "roles.actor_train.parallel.ep=2"]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_grpo_trains_a_moe_model_end_to_end_and_its_experts_reach_rollout_and_the_export(tmp_path, engine):
+    """On the torch engine (DDP) and on megatron with the experts split over its two ranks (the
+    weight sync and the export gather them from both)."""
     from transformers import AutoModelForCausalLM
 
+    if engine.startswith("megatron") and importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core is not installed (pip install hpcrl[megatron])")
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    trained = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *[x for o in MOE for x in ("--set", o)],
-                    timeout=300)
+    trained = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir),
+                    *[x for o in MOE + ENGINES[engine] for x in ("--set", o)], timeout=300)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -10,14 +10,12 @@ from dataclasses import dataclass
 
 # The model-parallel axes each engine implements beyond data parallelism.
 MODEL_PARALLEL: dict[str, tuple[str, ...]] = {
-    "torch": (), "deepspeed": (), "megatron": ("tp", "pp"), "native": (), "vllm": ("tp",),
+    "torch": (), "deepspeed": (), "megatron": ("tp", "pp", "ep"), "native": (), "vllm": ("tp",),
 }
 # Why an axis is missing, and what to use instead.
 _MISSING = {
     ("megatron", "cp"): "context parallelism needs Transformer Engine's attention (the local layer spec hpcrl "
                         "builds has none); use tp, pp or dp",
-    ("megatron", "ep"): "expert parallelism is not built into the megatron engine yet; a mixture-of-experts model "
-                        "(model.arch qwen2_moe, qwen3_moe, mixtral) trains on engine torch, data parallel",
     ("native", "tp"): "the native sampler runs one whole copy of the model per rank; use dp, or engine: vllm "
                       "on GPUs for tensor parallelism",
     ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",
@@ -68,10 +66,19 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
         out.append(f"roles.{role}.engine: vllm: the weight sync sends transformers' fused expert tensors "
                    "(mlp.experts.gate_up_proj), which vLLM's loader does not take; use engine native for a "
                    "mixture-of-experts model")
-    if dims.num_experts and engine == "megatron":
-        out.append(f"roles.{role}.engine: megatron converts dense Qwen2/LLaMA models only, and this model has "
-                   f"{dims.num_experts} experts per layer; use engine torch for a mixture-of-experts model")
-    tp, pp = sizes["tp"], sizes["pp"]
+    tp, pp, ep = sizes["tp"], sizes["pp"], sizes["ep"]
+    if ep > 1 and engine == "megatron":
+        dp_cp = int(parallel.get("dp", 1)) * sizes["cp"]
+        if not dims.num_experts:
+            out.append(f"roles.{role}.parallel.ep: ep = {ep} splits the experts of a mixture-of-experts model, and "
+                       "this model is dense; use ep: 1")
+        elif dims.num_experts % ep:
+            out.append(f"roles.{role}.parallel.ep: {dims.num_experts} experts do not split over ep = {ep}; use an ep "
+                       f"that divides {dims.num_experts}")
+        if dp_cp % ep:
+            out.append(f"roles.{role}.parallel.ep: the expert-parallel ranks are data-parallel ranks of the dense "
+                       f"layers (megatron-core folds ep into dp x cp = {dp_cp}), and ep = {ep} does not divide "
+                       f"{dp_cp}; use a dp that ep divides")
     if tp > 1 and engine in ("megatron", "vllm"):
         if dims.num_heads % tp:
             out.append(f"roles.{role}.parallel.tp: {dims.num_heads} attention heads (model.num_heads) do not split "

@@ -3,7 +3,8 @@
 One process, no MPI, no GPU: each engine's files are read as they were written.
 - torch (DDP or FSDP2): DCP shards, loaded whole into the HF model (any DP size wrote them);
 - deepspeed (ZeRO 1-3): DeepSpeed's own fp32 reconstruction of the partitions (`zero_to_fp32`);
-- megatron: one file per (TP, PP) coordinate; TP shards merged, layers renumbered per stage and
+- megatron: one file per (TP, EP, PP) coordinate; TP shards merged, experts of every EP rank renumbered
+  to their global numbers, layers renumbered per stage and
   converted to HF names by the same functions the weight sync uses (engines/resharding.py).
 The weights are written in the job's dtype, as the trainer hands them to rollout, so the export's
 digest is the trainer's (`log.check_weights`). The directory holds what transformers and vLLM
@@ -12,6 +13,7 @@ and generation_config.json with the job's sampling settings.
 """
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,18 +42,34 @@ def _deepspeed_weights(state: Path) -> Iterator[Named]:
 
 
 def _megatron_weights(files: ModelFiles, state: Path) -> Iterator[Named]:
-    from hpcrl.engines.resharding import GPTShape, hf_tensors, merge_tp
+    """Each stage's shards merged over TP, and with ep > 1 the experts of every EP rank renumbered
+    to their global numbers (dense parameters from EP rank 0: the others hold the same)."""
+    from hpcrl.engines.resharding import GPTShape, expert_offset, hf_tensors, is_expert, merge_tp
 
     shape = GPTShape.from_hf(files.config())
-    stages = sorted({int(p.stem.split("_pp")[1]) for p in state.glob("tp*_pp*.pt")})
-    if not stages:
-        raise FileNotFoundError(f"{state}: no Megatron state files (tpXX_ppYYY.pt)")
+    shards: dict[tuple[int, int], dict[int, Path]] = {}   # (pp, ep) -> tp -> file
+    for path in state.glob("tp*_pp*.pt"):
+        match = _MEGATRON_FILE.fullmatch(path.name)
+        if match is not None:
+            tp, ep, pp = (int(g or 0) for g in match.groups())
+            shards.setdefault((pp, ep), {})[tp] = path
+    if not shards:
+        raise FileNotFoundError(f"{state}: no Megatron state files (tpXX_ppYYY.pt, tpXX_epZZ_ppYYY.pt)")
+    stages = sorted({pp for pp, _ in shards})
     for pp_rank in stages:
-        shards = [torch.load(p, map_location="cpu", weights_only=False)["model"]
-                  for p in sorted(state.glob(f"tp*_pp{pp_rank:03d}.pt"))]
-        names = [n for n in shards[0] if not n.endswith("_extra_state")]
-        merged = ((name, merge_tp(name, [shard[name] for shard in shards])) for name in names)
+        ep_ranks = sorted(ep for pp, ep in shards if pp == pp_rank)
+        merged: list[Named] = []
+        for ep_rank in ep_ranks:
+            models = [torch.load(shards[pp_rank, ep_rank][tp], map_location="cpu", weights_only=False)["model"]
+                      for tp in sorted(shards[pp_rank, ep_rank])]
+            names = [n for n in models[0] if not n.endswith("_extra_state") and (ep_rank == 0 or is_expert(n))]
+            per_rank = shape.num_experts // len(ep_ranks)
+            merged += [(expert_offset(name, ep_rank * per_rank), merge_tp(name, [m[name] for m in models]))
+                       for name in names]
         yield from hf_tensors(merged, shape, len(stages), pp_rank)
+
+
+_MEGATRON_FILE = re.compile(r"tp(\d+)(?:_ep(\d+))?_pp(\d+)\.pt")
 
 
 def trained_weights(job: JobConfig, files: ModelFiles, checkpoint: Path) -> Iterator[Named]:

@@ -110,7 +110,7 @@ class Controller:
         self.loaders = WorkerGroup("actor_infer", sync.loaders)
         self.shared_weights = layout.shared_weights
         trainer = layout.roles["actor_train"]
-        self.trainer_replicas = [trainer.stage_leaders(d) for d in range(trainer.dp_size)]  # their stage leaders
+        self.trainer_replicas = [trainer.stage_leaders(d) for d in trainer.whole_replicas]  # their stage leaders
         train_prompts, eval_prompts = self._prompts()
         self.sampler = DomainSampler(train_prompts, job.seed, job.domain_interleave_probs)
         self.scheduler = RolloutScheduler(job, self.sampler, tokenizer.encode)

@@ -46,6 +46,13 @@ class RoleLayout:
         replica d holds the d-th member of every DP group."""
         return [sorted(group[d] for group in self.dp_groups) for d in range(self.dp_size)]
 
+    @property
+    def whole_replicas(self) -> list[int]:
+        """The DP replicas whose stage leaders hold the whole model once it is gathered: every one,
+        but with expert parallelism only those of EP rank 0, one in ep consecutive replicas (a
+        replica's EP peers are the next replicas, and their leaders send it their experts)."""
+        return list(range(0, self.dp_size, self.parallel.get("ep", 1)))
+
     def replica_of(self, rank: int) -> list[int]:
         return self.replicas[self.dp_index(rank)]
 

@@ -1,4 +1,5 @@
-"""Translate a Hugging Face Qwen2/LLaMA config into megatron-core's TransformerConfig and GPTModel arguments.
+"""Translate a Hugging Face config (Qwen2, LLaMA, Qwen2-MoE, Qwen3-MoE, Mixtral) into megatron-core's
+TransformerConfig and GPTModel arguments.
 
 Pure functions returning keyword dicts (no megatron import), so the translation is testable
 without megatron-core; `model.build_gpt_model` passes them on. Anything the converter in
@@ -17,10 +18,17 @@ from hpcrl.engines.capabilities import ModelDims, parallel_refusals
 from hpcrl.engines.resharding import GPTShape
 
 
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
 def _check_supported(hf_config) -> None:
     arch = hf_config.model_type
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"the megatron engine converts qwen2 and llama models, not model_type={arch!r}")
+    if arch not in ("qwen2", "llama") + MOE_ARCHS:
+        raise ValueError(f"the megatron engine converts qwen2, llama, {', '.join(MOE_ARCHS)} models, "
+                         f"not model_type={arch!r}")
+    if arch in ("qwen2_moe", "qwen3_moe") and (hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1):
+        raise ValueError(f"mlp_only_layers={hf_config.mlp_only_layers}, decoder_sparse_step="
+                         f"{hf_config.decoder_sparse_step}: the megatron engine builds every layer with experts")
     if hf_config.hidden_act != "silu":
         raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) MLPs are converted")
     rope = getattr(hf_config, "rope_parameters", None) or {}
@@ -30,6 +38,34 @@ def _check_supported(hf_config) -> None:
         raise ValueError("use_sliding_window=True is not supported by the megatron engine")
     if arch == "llama" and (hf_config.attention_bias or hf_config.mlp_bias):
         raise ValueError("LLaMA attention_bias/mlp_bias add biases (o_proj, MLP) the converter does not map")
+    if arch == "qwen3_moe" and hf_config.attention_bias:
+        raise ValueError("Qwen3-MoE attention_bias adds an o_proj bias the converter does not map")
+
+
+def _moe_kwargs(hf_config) -> dict[str, Any]:
+    """The routed experts, as each HF arch routes: softmax over all experts, then the top k, whose
+    probabilities are renormalised (Mixtral; Qwen with norm_topk_prob) -- the same as a softmax over
+    the top-k logits, megatron's default -- or kept as they are (Qwen without it: pre-softmax).
+    Router scores in fp32, as transformers computes them; no load-balancing loss (hpcrl's objective
+    has none); dropless all-to-all dispatch, experts run one after another (no grouped GEMM kernel
+    on CPU)."""
+    arch = hf_config.model_type
+    if arch not in MOE_ARCHS:
+        return {}
+    mixtral = arch == "mixtral"
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
+    return dict(
+        num_moe_experts=hf_config.num_local_experts if mixtral else hf_config.num_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.intermediate_size if mixtral else hf_config.moe_intermediate_size,
+        moe_router_pre_softmax=not (mixtral or hf_config.norm_topk_prob),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        **({"moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": True} if shared else {}),
+    )
 
 
 def rope_theta(hf_config) -> float:
@@ -52,7 +88,8 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
     tp, pp, cp, ep = (parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
     # the plan refuses these first, from the same table
     refused = parallel_refusals("<role>", "megatron", parallel,
-                                ModelDims(shape.num_heads, shape.num_kv_heads, hf_config.vocab_size, shape.num_layers))
+                                ModelDims(shape.num_heads, shape.num_kv_heads, hf_config.vocab_size, shape.num_layers,
+                                          shape.num_experts))
     if refused:
         raise ValueError("; ".join(refused))
     return dict(
@@ -67,7 +104,8 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=hf_config.model_type == "qwen2",
+        add_qkv_bias=hf_config.model_type in ("qwen2", "qwen2_moe"),
+        qk_layernorm=hf_config.model_type == "qwen3_moe",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -80,7 +118,7 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
-        sequence_parallel=False,
+        sequence_parallel=tp > 1,   # megatron-core trains MoE layers with tp > 1 only so
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -90,6 +128,7 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if recompute else {}),
         calculate_per_token_loss=True,
+        **_moe_kwargs(hf_config),
     )
 
 

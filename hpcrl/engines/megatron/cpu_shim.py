@@ -4,9 +4,12 @@ megatron-core assumes CUDA: it asks `torch.cuda` for the current device and the 
 forks (tensor-parallel regions), synchronises the device after pipeline sends, builds a few
 tensors with `device="cuda"` (token counts in the pipeline schedules, the grad-norm buffers, the
 default causal mask), calls `.cuda()` on the tied output layer, and the distributed optimizer
-accepts only parameters whose `.type()` is "torch.cuda.*Tensor". Without CUDA these raise or
-refuse. Inside `cuda_on_cpu()` "cuda" maps to the CPU, the CUDA RNG to the CPU generator, and CPU
-tensors report their CUDA type names (see shared/notes/FINDINGS.md).
+accepts only parameters whose `.type()` is "torch.cuda.*Tensor"; the MoE all-to-all dispatcher
+copies its split sizes to the host on a side stream, and gathers tokens over TP ranks in splits of
+unequal sizes, which gloo's all_gather does not take. Without CUDA these raise or refuse. Inside
+`cuda_on_cpu()` "cuda" maps to the CPU, the CUDA RNG to the CPU generator, streams to one host
+stream, CPU tensors report their CUDA type names, and unequal gathers and reduce-scatters are
+padded to equal ones (see shared/notes/FINDINGS.md).
 
 The patches are torch-global, so they hold only while a Megatron call runs: the Megatron engine
 enters the context around each of its calls and everything else in the process (a Hugging Face
@@ -14,6 +17,7 @@ model on the same rank, a rollout engine) sees torch unchanged. With a GPU it do
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Iterator
@@ -46,12 +50,78 @@ def _cuda_type_name(real_type):
     return type_
 
 
+class _HostStream:
+    """The one "stream" of a CPU: work is synchronous, so waiting on it or on its events returns at once.
+    The MoE all-to-all dispatcher copies its split sizes to the host on a side stream and waits on an
+    event; with one shared stream it sees no side stream (no `record_stream` calls)."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's `maybe_move_tensor_to_cpu` for tensors already on the host: the all-to-all split
+    sizes it asks for as numpy arrays (torch's all_to_all_single takes no tensor for them)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _uneven_gather(even_gather):
+    """megatron's all-gather along the first dimension, for splits of unequal sizes too (the MoE
+    dispatcher's tokens per TP rank): gloo gathers equal shapes only, so each split is padded to
+    the largest, gathered, and cut back."""
+    @functools.wraps(even_gather)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return even_gather(input_, group, output_split_sizes, use_global_buffer)
+        width = max(output_split_sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        out = input_.new_empty((width * group.size(), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * width:i * width + n] for i, n in enumerate(output_split_sizes)])
+    return gather
+
+
+def _uneven_reduce_scatter(even_reduce_scatter):
+    """megatron's reduce-scatter along the first dimension, for splits of unequal sizes too (the
+    backward of `_uneven_gather`): the splits are padded to the largest, reduced and cut back."""
+    @functools.wraps(even_reduce_scatter)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return even_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        width = max(input_split_sizes)
+        padded = input_.new_zeros((width * group.size(), *input_.shape[1:]))
+        for i, part in enumerate(torch.split(input_, list(input_split_sizes), dim=0)):
+            padded[i * width:i * width + part.shape[0]] = part
+        out = input_.new_empty((width, *input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[:input_split_sizes[group.rank()]]
+    return reduce_scatter
+
+
 def _patches() -> list[tuple[object, str, object]]:
+    import megatron.core.tensor_parallel.mappings as mappings
     import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     patches = [
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),   # CPU work is synchronous
+        (torch.cuda, "Stream", lambda *args, **kwargs: _HOST_STREAM),
+        (torch.cuda, "current_stream", lambda *args, **kwargs: _HOST_STREAM),
+        (torch.cuda, "stream", lambda stream: contextlib.nullcontext()),
         # Not torch.manual_seed: it calls cuda.manual_seed_all, which would recurse.
         (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
         (torch.cuda, "manual_seed_all", lambda seed: None),
@@ -59,6 +129,9 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.cuda, "set_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
         (mcore_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state()),
         (mcore_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
+        (mappings, "_gather_along_first_dim", _uneven_gather(mappings._gather_along_first_dim)),
+        (mappings, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)),
         (torch.Tensor, "cuda", lambda self, *args, **kwargs: self),
         (torch.Tensor, "type", _cuda_type_name(torch.Tensor.type)),
     ]

@@ -52,8 +52,10 @@ class MegatronTrainer:
         self.job = job
         self.pad_id = pad_id
         self.groups = groups
-        self.gathers_over_dp = False   # each replica gathers its TP shards among its own ranks
         self.pgc = pg_collection(groups)
+        # each replica gathers its TP shards among its own ranks; experts split over EP ranks are
+        # gathered from the replicas that hold them (EP ranks are DP ranks of the dense layers)
+        self.gathers_over_dp = self.pgc.ep.size() > 1
         self.shape = GPTShape.from_hf(files.config())
         self.model = build_gpt_model(files, self.pgc, job.seed, DTYPES[job.model.dtype],
                                      recompute=trainable and job.train.recompute)
@@ -105,7 +107,9 @@ class MegatronTrainer:
             shape = {"width": max(1, cut.width(prompts.lengths, responses.lengths)),
                      "resp_width": max(1, responses.max_length())}
         return [(rows, pack(prompts.take(rows), responses.take(rows), self.pad_id,
-                            {k: v.take(rows) for k, v in samples.columns.items()}, **shape)) for rows in groups]
+                            {k: v.take(rows) for k, v in samples.columns.items()}, **shape,
+                            multiple=self.pgc.tp.size() if self.config.sequence_parallel else 1))
+                for rows in groups]
 
     def _run(self, micro: list[tuple[np.ndarray, dict[str, torch.Tensor]]], loss_func, forward_only: bool
              ) -> list[dict]:
@@ -210,27 +214,30 @@ class MegatronTrainer:
     # ---- weights ---------------------------------------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each pipeline stage's full HF-named tensors, yielded on the stage's TP rank 0 (of every DP
-        replica). Collective over the stage's TP ranks; the other ranks yield nothing."""
+        """Each pipeline stage's full HF-named tensors, yielded on the stage's TP rank 0 of EP rank 0
+        (of every DP replica when ep = 1, of every expert-DP replica when ep > 1). Collective over
+        the stage's TP and EP ranks; the other ranks yield nothing."""
         local = [(name, p.detach()) for name, p in self.gpt.named_parameters()]
-        return gather_hf(local, self.shape, self.pgc.tp, self.pgc.pp.size(), self.pgc.pp.rank())
+        return gather_hf(local, self.shape, self.pgc.tp, self.pgc.pp.size(), self.pgc.pp.rank(), ep_group=self.pgc.ep)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
 
     def _state_file(self, path: Path) -> Path:
-        return Path(path) / f"tp{self.pgc.tp.rank():02d}_pp{self.pgc.pp.rank():03d}.pt"
+        expert = f"_ep{self.pgc.ep.rank():02d}" if self.pgc.ep.size() > 1 else ""
+        return Path(path) / f"tp{self.pgc.tp.rank():02d}{expert}_pp{self.pgc.pp.rank():03d}.pt"
 
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) if self.optimizer else []
 
     @on_cpu_shim
     def save_state(self, path: Path) -> None:
-        """One file per (TP, PP) coordinate, written by its DP rank 0 (Megatron's own layout of a
-        torch checkpoint): the model shard, the optimizer's common state, and the distributed
-        optimizer's shards gathered over DP, so the state loads on any DP size (same TP and PP).
-        Collective over the role's DP groups."""
+        """One file per (TP, EP, PP) coordinate, written by its expert-DP rank 0 (the DP rank 0 when
+        ep = 1; Megatron's own layout of a torch checkpoint): the model shard, the optimizer's
+        common state, and the distributed optimizer's shards gathered over DP (the dense
+        parameters' to DP rank 0, in the file of EP rank 0; the experts' over expert DP), so the
+        state loads on any DP size (same TP, EP and PP). Collective over the role's DP groups."""
         param_states = [opt.get_parameter_state_dp_zero(use_gloo_comm=False) for opt in self._optimizers()]
-        if self.pgc.dp.rank() != 0:
+        if self.pgc.expt_dp.rank() != 0:
             return
         Path(path).mkdir(parents=True, exist_ok=True)
         model = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -242,8 +249,9 @@ class MegatronTrainer:
     def load_state(self, path: Path) -> None:
         file = self._state_file(path)
         if not file.exists():
-            raise FileNotFoundError(f"{file}: no Megatron state for TP rank {self.pgc.tp.rank()}, PP rank "
-                                    f"{self.pgc.pp.rank()}; a Megatron checkpoint resumes with the same tp and pp")
+            raise FileNotFoundError(f"{file}: no Megatron state for TP rank {self.pgc.tp.rank()}, EP rank "
+                                    f"{self.pgc.ep.rank()}, PP rank {self.pgc.pp.rank()}; a Megatron checkpoint "
+                                    "resumes with the same tp, ep and pp")
         state = torch.load(file, map_location="cpu", weights_only=False)
         missing, unexpected = self.gpt.load_state_dict(state["model"], strict=False)
         real_missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -252,8 +260,8 @@ class MegatronTrainer:
                                f"unexpected {unexpected}")
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-            first = self.pgc.dp.rank() == 0
             for opt, param_state in zip(self._optimizers(), state["param_states"]):
+                first = dist.get_rank(opt.data_parallel_group) == 0   # the rank that gathered it
                 opt.data_parallel_group_gloo = gloo_twin(self.groups, opt.data_parallel_group)
                 # megatron-core copies every per-parameter state entry from the file, which holds
                 # param, exp_avg and exp_avg_sq; torch's AdamW also keeps `step` there (restored

@@ -10,12 +10,54 @@ from hpcrl.engines.model_files import ModelFiles
 from hpcrl.engines.resharding import GPTShape, read_stage_tensor, tp_dim
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as megatron's local layer spec builds it (WrappedTorchNorm), but also under
+    sequence parallelism, which megatron-core requires of MoE layers with tp > 1 and which its
+    local spec refuses (it leaves the norm to Apex or Transformer Engine). A norm needs nothing
+    more for it than its weight marked `sequence_parallel`: each TP rank normalises its own
+    positions, and megatron's finalize_model_grads sums the marked gradients over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config, num_layers: int):
+    """megatron-core's local layer spec (no Transformer Engine or Apex needed), experts run one
+    after another, with `RMSNorm` for every norm; as the block spec of a stage of `num_layers`."""
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    norms = {kind: RMSNorm for kind in ("q_layernorm", "k_layernorm")
+             if getattr(attention.submodules, kind) is not IdentityOp}
+    attention = replace(attention, submodules=replace(attention.submodules, **norms))
+    layer = replace(spec, submodules=replace(spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
+                                             self_attention=attention))
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
+
+
+def _mend_megatron_without_te() -> None:
+    """megatron-core 0.16's router reads `te_general_gemm`, which its moe_utils defines only when
+    Transformer Engine imports: without TE every MoE forward raised NameError. None is what the
+    code tests for (and then takes torch's matmul)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recompute: bool = False
                     ) -> torch.nn.Module:
     """The GPTModel stage of this rank (TP shard of PP stage, sizes from the groups in `pgc`), its
     parameters allocated but not initialised: `load_gpt_weights` fills them from the files.
 
-    Uses megatron-core's local layer spec (no Transformer Engine or Apex needed). Parameters are
+    Uses megatron-core's local layer spec (`layer_spec`). Parameters are
     allocated on the CPU (untouched, they take no memory there yet), then moved to the current
     device; bf16/fp16 models are wrapped in Float16Module, as Megatron-LM does, so logits come out
     in float32. Loading comes after megatron's DDP has moved the parameters into its contiguous
@@ -23,7 +65,6 @@ def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recom
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -31,11 +72,12 @@ def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recom
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # a per-process scratch buffer, not tied to any group
         parallel_state._set_global_memory_buffer()
     hf_config = files.config()
-    parallel = {kind: getattr(pgc, kind).size() for kind in ("tp", "pp", "cp", "ep")}
+    parallel = {kind: getattr(pgc, kind).size() for kind in ("tp", "pp", "cp", "ep", "dp")}
     config = TransformerConfig(**transformer_config_kwargs(hf_config, parallel, dtype, recompute))
     tp_rank, pp_rank, pp = pgc.tp.rank(), pgc.pp.rank(), pgc.pp.size()
-    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=tp_rank)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), pre_process=pp_rank == 0,
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=pgc.ep.rank(), etp_rank=pgc.expt_tp.rank())
+    _mend_megatron_without_te()
+    model = GPTModel(config, layer_spec(config, config.num_layers // pp), pre_process=pp_rank == 0,
                      post_process=pp_rank == pp - 1, pg_collection=pgc, **gpt_model_kwargs(hf_config))
     _mark_tensor_parallel(model)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -47,10 +89,12 @@ def load_gpt_weights(gpt: torch.nn.Module, files: ModelFiles, pgc) -> None:
     """Fill this rank's GPTModel stage from `files`, reading only its slices, tensor by tensor."""
     hf_config = files.config()
     shape = GPTShape.from_hf(hf_config)
-    sizes = {"vocab": hf_config.vocab_size, "ffn": hf_config.intermediate_size}
+    sizes = {"vocab": hf_config.vocab_size, "ffn": hf_config.intermediate_size,
+             "shared_ffn": getattr(hf_config, "shared_expert_intermediate_size", 0) or 0}
     tp_rank, pp_rank, pp, tp = pgc.tp.rank(), pgc.pp.rank(), pgc.pp.size(), pgc.tp.size()
     dtype = next(gpt.parameters()).dtype
-    load_stage(gpt, ((name, read_stage_tensor(files, name, shape, sizes, tp, tp_rank, pp, pp_rank, dtype))
+    load_stage(gpt, ((name, read_stage_tensor(files, name, shape, sizes, tp, tp_rank, pp, pp_rank, dtype,
+                                              pgc.ep.size(), pgc.ep.rank()))
                      for name, _ in gpt.named_parameters()))
 
 

@@ -17,14 +17,15 @@ from hpcrl.ragged import Ragged
 
 
 def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Ragged] | None = None,
-         width: int | None = None, resp_width: int | None = None) -> dict[str, torch.Tensor]:
+         width: int | None = None, resp_width: int | None = None, multiple: int = 1) -> dict[str, torch.Tensor]:
     """tokens/targets [N, L], the positions predicting each response token `index` [N, R], the
     response mask [N, R], and the per-token `columns` right-padded to [N, R] (0 on padding).
     L and R default to the longest row's; pipeline stages exchange fixed shapes, so with pp > 1
-    every micro-batch of a step is packed to the same `width` and `resp_width`."""
+    every micro-batch of a step is packed to the same `width` and `resp_width`. L is rounded up to
+    a `multiple` (tp: sequence parallelism splits the positions evenly over the TP ranks)."""
     prompt_lengths = prompts.lengths
     rows = Ragged.concat_rows(prompts, responses)
-    width = width or max(1, rows.max_length())
+    width = -(-(width or max(1, rows.max_length())) // multiple) * multiple
     resp_width = resp_width or max(1, responses.max_length())
     tokens = torch.from_numpy(rows.padded(width + 1, pad_id).astype(np.int64))
     # logits at position t predict token t + 1: response token j is predicted at len(prompt) - 1 + j
