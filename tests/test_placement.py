@@ -437,7 +437,8 @@ SEVEN_B = "jobs/qwen2.5-7b-grpo.yaml", "clusters/example-4x8-h100.yaml"
 TINY = "jobs/tiny_grpo.yaml", "clusters/local.yaml"
 REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (job, cluster), --set, the key named
     (SEVEN_B, ["roles.actor_train.parallel.cp=2"], "roles.actor_train.parallel.cp: cp = 2, but context parallelism"),
-    (SEVEN_B, ["roles.actor_train.parallel.ep=2"], "roles.actor_train.parallel.ep: ep = 2, but expert parallelism"),
+    (SEVEN_B, ["roles.actor_train.parallel.ep=2"], "roles.actor_train.parallel.ep: ep = 2 splits the experts of a "
+     "mixture-of-experts model, and this model is dense"),
     (SEVEN_B, ["roles.actor_train.parallel.tp=8", "roles.actor_train.parallel.dp=1"],
      "roles.actor_train.parallel.tp: 4 KV heads (model.num_kv_heads) do not split over tp = 8"),
     (SEVEN_B, ["model.num_heads=14", "model.num_kv_heads=2"],
@@ -465,8 +466,13 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 response tokens leave no room for a prompt in the "
                                           "model's context of 64 positions (model.max_position_embeddings)"),
     (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, max_count, modulus, name"),
-    (TINY, ["model.arch=qwen2_moe", "model.num_experts=4", "roles.actor_train.engine=megatron"],
-     "roles.actor_train.engine: megatron converts dense Qwen2/LLaMA models only, and this model has 4 experts"),
+    (TINY, ["model.arch=qwen2_moe", "model.num_experts=6", "roles.actor_train.engine=megatron",
+            "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=4"],
+     "roles.actor_train.parallel.ep: 6 experts do not split over ep = 4"),
+    (TINY, ["model.arch=mixtral", "model.num_experts=4", "roles.actor_train.engine=megatron",
+            "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=2"],
+     "roles.actor_train.parallel.ep: the expert-parallel ranks are data-parallel ranks of the dense layers "
+     "(megatron-core folds ep into dp x cp = 2), and ep = 4 does not divide 2"),
     (TINY, ["model.arch=qwen2_moe", "model.num_experts=8", "roles.actor_infer.engine=vllm"],
      "roles.actor_infer.engine: vllm: the weight sync sends transformers' fused expert tensors"),
     (TINY, ["model.num_experts=4"], "num_experts applies to mixture-of-experts archs (qwen2_moe, qwen3_moe, mixtral), "
@@ -620,6 +626,23 @@ def test_the_72b_example_time_shares_all_128_gpus_stage_by_stage():
             "offload at entry actor_train, reference; peak 68.00 GB of 80 GB per device") in text
     assert "stage reward: active none (controller only); resident actor_infer;" in text
     assert "moves nothing at entry, resident as in rollout" in text
+
+
+def test_the_30b_a3b_example_splits_its_experts_over_8_ep_ranks_of_each_16_way_replica_set():
+    """Qwen3-30B-A3B on 4 x 8 H100: the trainer's ep groups are 8 consecutive DP ranks, and each GPU
+    holds the dense parameters whole and 1/8 of the routed experts (28.99B of the 30.5B)."""
+    job_config = load_job(REPO_ROOT / "jobs" / "qwen3-30b-a3b-grpo.yaml")
+    plan = compile_plan(job_config, load_profile(REPO_ROOT / "clusters" / "example-4x8-h100.yaml"))
+    trainer = plan.roles["actor_train"]
+    assert trainer.rank_groups["ep"] == [list(range(1, 9)), list(range(9, 17))]
+    assert trainer.rank_groups["dp"] == [list(range(1, 17))]
+    shape = ModelShape.from_model(job_config.model)
+    params = count_parameters(shape)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert 30.4e9 < params < 30.6e9 and shape.head_dim == 128
+    assert trainer.memory.part("weights") == math.ceil((params - experts + experts / 8) * 2)
+    assert trainer.memory.part("master+Adam") == math.ceil(params * 12 / 16)
+    assert max(stage.slot_memory_gb[0] for stage in plan.stages.values()) < 80
 
 
 def test_what_waits_in_host_memory_must_fit_the_node():

@@ -57,6 +57,8 @@ class ModelConfig(Schema):
     num_heads: PositiveInt = 4
     num_kv_heads: PositiveInt = 2
     intermediate_size: PositiveInt = 128
+    head_dim: PositiveInt | None = Field(None, description="each attention head's width (default hidden_size / "
+                                         "num_heads; Qwen3-MoE's models set 128)")
     max_position_embeddings: PositiveInt = 64
     vocab_size: PositiveInt | None = Field(None, description="default: the task tokenizer's size")
     tokenizer: str | None = Field(None, description="a local directory with a Hugging Face tokenizer (tokenizer.json); "
@@ -102,6 +104,11 @@ class ModelConfig(Schema):
             default = "" if self.experts_per_token else " (the default)"
             raise ValueError(f"experts_per_token {top_k}{default} is more than num_experts {self.num_experts}")
         return self
+
+    @property
+    def head_width(self) -> int:
+        """model.head_dim, or hidden_size / num_heads when unset."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     def expert_sizes(self) -> tuple[int, int, int, int]:
         """(routed experts, experts per token, an expert's MLP width, the shared expert's or 0) of a

@@ -28,9 +28,11 @@ def _expert_kwargs(model: ModelConfig) -> dict:
     if model.arch == "mixtral":   # Mixtral's experts take intermediate_size; it has no dense MLP
         return {"num_local_experts": experts, "num_experts_per_tok": per_token, "intermediate_size": width}
     kwargs = {"num_experts": experts, "num_experts_per_tok": per_token, "moe_intermediate_size": width,
-              "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": model.hidden_size // model.num_heads}
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
     if model.arch == "qwen2_moe":
         kwargs["shared_expert_intermediate_size"] = shared
+    else:   # Qwen3-MoE's released models renormalise the top-k routing weights (transformers' default does not)
+        kwargs["norm_topk_prob"] = True
     return kwargs
 
 
@@ -43,6 +45,7 @@ def hf_config(model: ModelConfig, vocab_size: int, pad_id: int, bos_id: int | No
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_width,
         "max_position_embeddings": model.max_position_embeddings,
         "tie_word_embeddings": model.tie_word_embeddings,
         "pad_token_id": pad_id,

@@ -29,10 +29,12 @@ shards = tp*pp.
     layers, or the embedding alone: see deepspeed_engine.zero_buckets), so its transients are
     12 bytes (the sub-group's flat fp32 gradient and AdamW's temporaries) per element of the
     largest sub-group's partition instead.
-  - megatron: weights bS / tp, fp32 gradient buffer 4S / tp, and the distributed optimizer's
+  - megatron: weights bS' / tp, fp32 gradient buffer 4S' / tp, and the distributed optimizer's
     share (fp32 master weights when b = 2, and Adam) (4 + 8)S / tp / dp, where S is the largest
     pipeline stage's parameters: its layers and the embedding (first stage) or the output layer
-    (last; a copy of the embedding when tied); S = P when pp = 1.
+    (last; a copy of the embedding when tied); S = P when pp = 1. S' = S - X + X / ep, X the
+    stage's routed experts (ep splits them; their optimizer state is sharded over the dp * cp / ep
+    expert-data-parallel ranks, the same share as the dense parameters' with cp = 1).
 - Activations of a training role: one micro-batch of T = rows x S tokens, S the context
   (model.max_position_embeddings), rows = train.micro_batch_size (or the DP rank's minibatch;
   for a forward-only role its whole share of the step), fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
@@ -113,7 +115,7 @@ class ModelShape:
         experts, per_token, width, shared = model.expert_sizes()
         return cls(arch=model.arch, hidden_size=model.hidden_size, num_layers=model.num_layers,
                    num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                   head_dim=model.hidden_size // model.num_heads, intermediate_size=model.intermediate_size,
+                   head_dim=model.head_width, intermediate_size=model.intermediate_size,
                    vocab_size=model.vocab_size or DEFAULT_VOCAB, tie_word_embeddings=model.tie_word_embeddings,
                    qkv_bias=model.arch in _QKV_BIAS_ARCHS, qk_norm=model.arch.startswith("qwen3"),
                    max_position_embeddings=model.max_position_embeddings,
@@ -292,6 +294,13 @@ def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
     return share * sparse + (1 - share) * dense
 
 
+def routed_expert_parameters(shape: ModelShape, layers: int) -> int:
+    """The routed experts' parameters in `layers` decoder layers (what expert parallelism splits);
+    the share of MoE layers is taken as even over the pipeline stages."""
+    share = min(shape.moe_layers, shape.num_layers) / max(1, shape.num_layers)
+    return math.ceil(layers * share * shape.num_experts * 3 * shape.hidden_size * shape.expert_intermediate_size)
+
+
 def stage_parameters(shape: ModelShape, params: int, pp: int, head: str = "lm") -> int:
     """Parameters of the largest pipeline stage: its share of the layers, and the embedding (first
     stage) or the output layer (last stage; with tied embeddings a copy of the embedding)."""
@@ -317,11 +326,16 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
     sharded = job.zero_stage(role) >= 3 and dp > 1
     stage = stage_parameters(shape, params, parallel.pp, "value" if role == "critic" else "lm")
     gathered = [("gathered units", _gathered_units(shape, b))] if sharded else []
+    # megatron splits the routed experts over ep as well (and shards their optimizer state over the
+    # expert-DP ranks, dp * cp / ep of them: the same dp share as the dense parameters' with cp = 1)
+    experts = routed_expert_parameters(shape, math.ceil(shape.num_layers / parallel.pp)) \
+        if engine == "megatron" else 0
+    held = stage - experts + experts / parallel.ep
     if not trainable:
-        return [("weights", math.ceil(stage * b / tp / (dp if sharded else 1)))] + gathered
+        return [("weights", math.ceil(held * b / tp / (dp if sharded else 1)))] + gathered
     if engine == "megatron":
         master = 4 if b < 4 else 0
-        return [("weights", math.ceil(stage * b / tp)), ("grads", math.ceil(stage * 4 / tp)),
+        return [("weights", math.ceil(held * b / tp)), ("grads", math.ceil(held * 4 / tp)),
                 ("master+Adam", math.ceil(stage * (master + 8) / tp / dp))]
     if engine == "deepspeed":   # ZeRO keeps an fp32 master partition whatever the dtype
         zero = job.zero_stage(role)
