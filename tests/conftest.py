@@ -32,6 +32,39 @@ def random_files(job, tokenizer, directory: Path):
     return ModelFiles(write_random_init(job, tokenizer, directory))
 
 
+def run_mpi_program(compute, merge, out: Path, root: int = 0) -> None:
+    """The body of a test module's MPI program (what `mpi_findings` runs): torch.distributed over gloo
+    on every rank, one thread each; `compute(rank)` on every rank (an exception is printed and aborts
+    the world: the other ranks would wait in a collective forever); the ranks' results gathered to
+    `root`, which writes `merge(results)` to `out` as JSON. Rank 0 hosts the rendezvous store, so
+    every rank waits for the others before leaving."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcrl.runtime.mpi_world import init_torch_distributed
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.set_num_threads(1)
+    init_torch_distributed("gloo")
+    try:
+        found = compute(rank)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        comm.Abort(1)
+        raise
+    everyone = comm.gather(found, root=root)
+    if rank == root:
+        out.write_text(json.dumps(merge(everyone)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def mpi_findings(script: str, ranks: int, out: Path, timeout: float = 600) -> dict:
     """Run `script` as a real MPI program of `ranks` ranks (it writes its findings to `out` as JSON,
     from one rank) and return them; a failed rank fails the test with the ranks' output."""

@@ -13,12 +13,11 @@ Run as a script (by the fixture) it is the MPI program; rank 1 writes the findin
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpi_findings
+from conftest import mpi_findings, run_mpi_program
 
 # Checked without importing megatron-core here (10 s): only the MPI ranks need it.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -71,6 +70,11 @@ def test_two_ppo_steps_match_the_torch_engine(findings, layout):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-4, (key, found)
 
 
+def test_ep_ranks_that_cut_their_shards_differently_run_as_many_micro_batches_as_each_other(findings):
+    """Without the agreement one rank would wait in an all-to-all its EP peer never starts."""
+    assert len(set(findings["ep4"]["micro_batches"])) == 1 and findings["ep4"]["micro_batches"][0] > 1
+
+
 def test_vocab_parallel_logprobs_entropy_and_their_gradients_equal_the_full_vocabulary(findings):
     assert findings["tp2"]["vocab_parallel_max_diff"] < 1e-5
 
@@ -92,7 +96,10 @@ def _job(arch: str, tied: bool):
         "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 48, "tie_word_embeddings": tied, **experts},
         "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01},
-        "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
+        # MoE: a token cap that cuts the DP shards into different numbers of micro-batches (the EP
+        # ranks must still run as many as each other: their all-to-alls pair them)
+        "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0,
+                  **({"max_tokens_per_micro_batch": 12} if experts else {})},
         "rollout": {"temperature": 0.9},
         "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {},
                   "reference": {"engine": "megatron", "colocate_with": "actor_train"}},   # the KL loss's
@@ -223,6 +230,7 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[i
     metrics = engine.train_step(_shard(samples, dp_rank, dp), job.train.lr)
     if metrics:  # on the last pipeline stage
         found["metrics"] = metrics
+        found["micro_batches"] = [metrics["micro_batches"]]
     found["reference_metrics"] = reference.train_step(samples, job.train.lr)
     trained = dict(engine.named_weights())
     if trained and dp_rank == 0:
@@ -249,7 +257,7 @@ def _merge(per_rank: list[dict]) -> dict:
     merged: dict = {}
     for found in per_rank:
         for key, value in found.items():
-            if key in ("named_weights", "named_weights_mismatch"):
+            if key in ("named_weights", "named_weights_mismatch", "micro_batches"):
                 merged[key] = merged.get(key, []) + value
             elif key == "trained_weights_max_diff":
                 merged[key] = max(merged.get(key, 0.0), value)
@@ -261,30 +269,9 @@ def _merge(per_rank: list[dict]) -> dict:
 
 
 def main(out: Path) -> None:
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    from hpcrl.runtime.mpi_world import init_torch_distributed
-
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    torch.set_num_threads(1)
-    init_torch_distributed("gloo")
-    try:
-        mine = {name: _layout(name, *spec, rank=rank) for name, spec in LAYOUTS.items()}
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        comm.Abort(1)  # the other ranks would wait in a collective forever
-        raise
-    everyone = comm.gather(mine, root=1)
-    if rank == 1:
-        merged = {name: _merge([r[name] for r in everyone if r[name] is not None]) for name in LAYOUTS}
-        out.write_text(json.dumps(merged))
-    dist.barrier()  # rank 0 hosts the rendezvous store: it must outlive the others' group creation
-    dist.destroy_process_group()
+    run_mpi_program(lambda rank: {name: _layout(name, *spec, rank=rank) for name, spec in LAYOUTS.items()},
+                    lambda everyone: {name: _merge([r[name] for r in everyone if r[name] is not None])
+                                      for name in LAYOUTS}, out)
 
 
 if __name__ == "__main__":

@@ -469,6 +469,8 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["model.arch=qwen2_moe", "model.num_experts=6", "roles.actor_train.engine=megatron",
             "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=4"],
      "roles.actor_train.parallel.ep: 6 experts do not split over ep = 4"),
+    (TINY, ["roles.actor_train.fsdp=true", "roles.actor_train.parallel.cp=2"],
+     "roles.actor_train.parallel.cp: the torch engine's context parallelism runs on DDP replicas"),
     (TINY, ["model.arch=mixtral", "model.num_experts=4", "roles.actor_train.engine=megatron",
             "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=2"],
      "roles.actor_train.parallel.ep: the expert-parallel ranks are data-parallel ranks of the dense layers "

@@ -24,7 +24,9 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 class TrainingEngine(Protocol):
-    gathers_over_dp: bool   # named_weights is collective over the DP ranks too (FSDP2, ZeRO-3)
+    # how many DP replicas, from the first, take part in gathering the first one's weights: 1 (its own
+    # ranks: DDP, Megatron's TP/PP), all (FSDP2, ZeRO-3 shards), ep (Megatron's experts on EP ranks)
+    gather_replicas: int
 
     def logprobs(self, prompt_ids: "Ragged", response_ids: "Ragged") -> "Ragged | None":
         """Per-token log-probabilities of each response under the current weights; on the ranks

@@ -85,7 +85,7 @@ def chunked_token_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature:
     chunk = max(1, LOGSOFTMAX_CHUNK_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
     keep = torch.is_grad_enabled() and logits.requires_grad
     logps, entropies = [], []
-    for start in range(0, logits.shape[1], chunk):
+    for start in range(0, max(1, logits.shape[1]), chunk):   # no position: one empty chunk, still in the graph
         args = (logits[:, start:start + chunk], tokens[:, start:start + chunk], temperature, with_entropy)
         logp, entropy = (torch.utils.checkpoint.checkpoint(_token_stats, *args, use_reentrant=False) if keep
                          else _token_stats(*args))

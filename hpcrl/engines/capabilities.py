@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 # The model-parallel axes each engine implements beyond data parallelism.
 MODEL_PARALLEL: dict[str, tuple[str, ...]] = {
-    "torch": (), "deepspeed": (), "megatron": ("tp", "pp", "ep"), "native": (), "vllm": ("tp",),
+    "torch": ("cp",), "deepspeed": (), "megatron": ("tp", "pp", "ep"), "native": (), "vllm": ("tp",),
 }
 # Why an axis is missing, and what to use instead.
 _MISSING = {
     ("megatron", "cp"): "context parallelism needs Transformer Engine's attention (the local layer spec hpcrl "
-                        "builds has none); use tp, pp or dp",
+                        "builds has none); use tp, pp or dp, or engine torch (its cp gathers keys and values)",
     ("native", "tp"): "the native sampler runs one whole copy of the model per rank; use dp, or engine: vllm "
                       "on GPUs for tensor parallelism",
     ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",

@@ -115,7 +115,8 @@ class DeepSpeedTrainer(TorchTrainer):
         # shard: it keeps its replica (stage 0) unless ZeRO-3 partitions its parameters.
         zero_stage = zero_stage if trainable or zero_stage == 3 else 0
         self.stage = zero_stage
-        self.gathers_over_dp = zero_stage == 3   # ZeRO-3 gathers each parameter from its DP shards
+        # ZeRO-3 gathers each parameter from its DP shards
+        self.gather_replicas = dist.get_world_size(dp_group) if zero_stage == 3 else 1
         self.trainable = trainable
         self.value_head = value_head
         self._host, self._away = [], False

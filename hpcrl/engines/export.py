@@ -60,7 +60,8 @@ def _megatron_weights(files: ModelFiles, state: Path) -> Iterator[Named]:
         ep_ranks = sorted(ep for pp, ep in shards if pp == pp_rank)
         merged: list[Named] = []
         for ep_rank in ep_ranks:
-            models = [torch.load(shards[pp_rank, ep_rank][tp], map_location="cpu", weights_only=False)["model"]
+            models = [torch.load(shards[pp_rank, ep_rank][tp], map_location="cpu", weights_only=False,
+                                 mmap=True)["model"]   # the optimizer state beside it stays on disk
                       for tp in sorted(shards[pp_rank, ep_rank])]
             names = [n for n in models[0] if not n.endswith("_extra_state") and (ep_rank == 0 or is_expert(n))]
             per_rank = shape.num_experts // len(ep_ranks)

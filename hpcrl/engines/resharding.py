@@ -418,6 +418,23 @@ def _gather_ep(local: list[Named], group: dist.ProcessGroup | None, bucket_bytes
     return out if leader else None
 
 
+def _by_layer(local: list[Named]) -> Iterator[list[Named]]:
+    """Runs of consecutive parameters of one decoder layer (or of none: embedding, final norm, head)."""
+    run: list[Named] = []
+    for name, tensor in local:
+        if run and _layer_of(run[0][0]) != _layer_of(name):
+            yield run
+            run = []
+        run.append((name, tensor))
+    if run:
+        yield run
+
+
+def _layer_of(name: str) -> str | None:
+    match = _LAYER.match(name)
+    return None if match is None else match.group(1)
+
+
 def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup | None, pp: int, pp_rank: int,
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, ep_group: dist.ProcessGroup | None = None
               ) -> Iterator[Named]:
@@ -426,19 +443,24 @@ def gather_hf(local: list[Named], shape: GPTShape, tp_group: dist.ProcessGroup |
     sends each stage from its own leader).
 
     Collective: every rank of the TP and EP groups iterates it to the end (the others yield
-    nothing). Experts are gathered bucket by bucket to EP rank 0 first (each TP rank its own
-    shards), then TP shards to TP rank 0 (whose TP group has the same EP rank). Tensors stay on
-    the device of `local` (NCCL moves device tensors only).
+    nothing). A layer at a time, its experts are gathered bucket by bucket to EP rank 0 (each TP
+    rank its own shards), then its TP shards to TP rank 0 (whose TP group has the same EP rank):
+    a leader holds one layer's gathered tensors beyond what it yields, not a stage's (a 30B MoE
+    stage's experts would not fit beside the model). Tensors stay on the device of `local` (NCCL
+    moves device tensors only).
     """
-    local = _gather_ep(local, ep_group, bucket_bytes)
-    if local is None:
-        return
-    merged = _gather_tp(local, tp_group, bucket_bytes)
-    if tp_group is not None and dist.get_rank(tp_group) != 0:
-        for _ in merged:
+    def merged() -> Iterator[Named]:
+        for layer in _by_layer(local):
+            gathered = _gather_ep(layer, ep_group, bucket_bytes)
+            if gathered is not None:
+                yield from _gather_tp(gathered, tp_group, bucket_bytes)
+
+    leader = all(group is None or dist.get_rank(group) == 0 for group in (tp_group, ep_group))
+    if not leader:
+        for _ in merged():
             pass
         return
-    yield from hf_tensors(merged, shape, pp, pp_rank)
+    yield from hf_tensors(merged(), shape, pp, pp_rank)
 
 
 def hf_tensors(merged: Iterable[Named], shape: GPTShape, pp: int, pp_rank: int) -> Iterator[Named]:

@@ -5,7 +5,8 @@ hpcrl.engines.objective's (every engine's); this class owns the model, the optim
 minibatch loop: each minibatch is one optimizer step, accumulated over micro-batches
 (`train.micro_batch_size`, `train.max_tokens_per_micro_batch`). With bf16/fp16 the trainable
 weights and Adam's state stay fp32 (master weights) and only the compute runs in the job's dtype:
-FSDP2 casts per layer, DDP and one rank under autocast.
+FSDP2 casts per layer, DDP and one rank under autocast. With context parallelism (DDP only) the cp
+ranks of a replica each run their share of the positions (hpcrl.engines.context_parallel).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
-from hpcrl.engines.batch import pack, response_logprobs, response_values, right_pad, unpad
+from hpcrl.engines import context_parallel
+from hpcrl.engines.batch import chunked_token_stats, pack, response_logprobs, response_values, right_pad, unpad
 from hpcrl.engines.fsdp import load_sharded
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
@@ -50,8 +52,9 @@ def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
 def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, group: dist.ProcessGroup | None,
                   device: torch.device) -> list[np.ndarray]:
     """This rank's micro-batches, as many as the DP rank that needs most: sharded engines
-    (FSDP2, ZeRO-3) gather parameters in every forward, DDP broadcasts buffers, so all DP ranks
-    run the same number. `device`: where the group's backend reduces (NCCL: the GPU)."""
+    (FSDP2, ZeRO-3) gather parameters in every forward, DDP broadcasts buffers, Megatron's MoE
+    layers exchange tokens with their EP ranks, so all DP ranks run the same number. `device`:
+    where the group's backend reduces (NCCL: the GPU)."""
     groups = cut.split(prompts.lengths, responses.lengths)
     if group is not None and dist.get_world_size(group) > 1:
         count = torch.tensor([len(groups)], device=device)
@@ -79,11 +82,18 @@ class TorchTrainer:
     """One model replica (DDP) or shard (FSDP2) per DP rank, built from `files`: the policy, or with
     `value_head` the critic (its `values` and a value-loss `train_step` instead of log-probs)."""
 
+    cp_group: dist.ProcessGroup | None = None      # context parallelism (None: each rank runs whole rows)
+    dp_cp_group: dist.ProcessGroup | None = None
+
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
                  device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False,
-                 value_head: bool = False):
-        """fsdp: shard with FSDP2 over `dp_group` (each decoder layer a unit) instead of DDP replicas."""
+                 value_head: bool = False, context_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None):
+        """fsdp: shard with FSDP2 over `dp_group` (each decoder layer a unit) instead of DDP replicas.
+        context_groups: (this rank's cp group, the dp x cp group DDP then averages over)."""
+        if context_groups is not None and fsdp:
+            raise ValueError("context parallelism runs with DDP replicas: fsdp: true does not take parallel.cp > 1")
         self.job = job
+        self.cp_group, self.dp_cp_group = context_groups or (None, None)
         self.value_head = value_head
         self.pad_id = pad_id
         self.dp_group = dp_group
@@ -93,13 +103,17 @@ class TorchTrainer:
         self.trainable = trainable
         master = self._master_dtype()
         # FSDP2 gathers each parameter over the DP ranks: every rank takes part in named_weights
-        self.gathers_over_dp = fsdp and self.dp_size > 1
-        if self.gathers_over_dp:
+        self._sharded = fsdp and self.dp_size > 1
+        self.gather_replicas = self.dp_size if self._sharded else 1
+        if self._sharded:
             model = load_sharded(files, dp_group, self.device, master,
                                  self.compute_dtype if master != self.compute_dtype else None, value_head)
         else:
             model = load_full(files, master, self.device, value_head)
-        self._autocast = not self.gathers_over_dp and master != self.compute_dtype
+        self._autocast = not self._sharded and master != self.compute_dtype
+        if self.cp_group is not None:
+            context_parallel.register_attention()
+            model.set_attn_implementation(context_parallel.ATTENTION)
         self.model = model
         self.optimizer = None
         self._host: Saved = []      # host copies of the offloaded state, kept for the next offload
@@ -117,10 +131,16 @@ class TorchTrainer:
         """fp32 weights for a trainable role (the optimizer updates them), the job's dtype otherwise."""
         return torch.float32 if self.trainable else self.compute_dtype
 
+    @property
+    def _replicas_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same weights: DDP averages over them, checkpoints save over them."""
+        return self.dp_cp_group if self.cp_group is not None else self.dp_group
+
     def _wrap(self, model: torch.nn.Module) -> None:
-        if self.dp_size > 1 and not self.gathers_over_dp:
+        group = self._replicas_group
+        if group is not None and dist.get_world_size(group) > 1 and not self._sharded:
             # gradients as views of DDP's buckets: one copy of them, which offload frees with the views
-            self.model = DistributedDataParallel(model, process_group=self.dp_group, gradient_as_bucket_view=True)
+            self.model = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
         self.optimizer = adamw(model, self.job)
 
     @property
@@ -161,12 +181,23 @@ class TorchTrainer:
         return torch.autocast(self.device.type, dtype=self.compute_dtype) if self._autocast else nullcontext()
 
     def _forward(self, batch: dict[str, torch.Tensor], with_entropy: bool):
+        temperature = self.job.rollout.temperature
         with self._autocast_scope():
-            return response_logprobs(self.model, batch, self.job.rollout.temperature, with_entropy)
+            if self.cp_group is None:
+                return response_logprobs(self.model, batch, temperature, with_entropy)
+            out, index, targets = context_parallel.response_outputs(self.model, batch, self.cp_group)
+            logp, entropy = chunked_token_stats(out, targets, temperature, with_entropy)
+            width = batch["response_ids"].shape[1]
+            return (context_parallel.whole_rows(logp, index, width, self.cp_group),
+                    None if entropy is None else context_parallel.whole_rows(entropy, index, width, self.cp_group))
 
     def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self._autocast_scope():
-            return response_values(self.model, batch)
+            if self.cp_group is None:
+                return response_values(self.model, batch)
+            out, index, _ = context_parallel.response_outputs(self.model, batch, self.cp_group)
+            return context_parallel.whole_rows(out[..., 0].float(), index, batch["response_ids"].shape[1],
+                                               self.cp_group)
 
     @torch.no_grad()
     def _per_token(self, prompt_ids: Ragged, response_ids: Ragged, compute) -> Ragged:
@@ -219,7 +250,8 @@ class TorchTrainer:
                 for i, rows in enumerate(groups):
                     batch, columns = self._micro_batch(minibatch, rows)
                     loss, metrics = self._micro_loss(batch, columns, i == 0, tokens, sequences)
-                    # DP averages gradients; the shares are already normalised by the global totals
+                    # DP averages gradients; the shares are already normalised by the global totals (with
+                    # cp, each cp rank's gradient of the whole rows is cp times its part: see context_parallel)
                     self._backward(loss * self.dp_size, last=i == len(groups) - 1)
                     outputs.append(metrics)
                 grad_norm = self._step()
@@ -268,7 +300,7 @@ class TorchTrainer:
 
     def save_state(self, path: Path) -> None:
         """DCP shards of model + optimizer (collective over the DP group): loadable on another DP size."""
-        save_train_state(self.module, self.optimizer, path, self.dp_group)
+        save_train_state(self.module, self.optimizer, path, self._replicas_group)
 
     def load_state(self, path: Path) -> None:
-        load_train_state(self.module, self.optimizer, path, self.dp_group)
+        load_train_state(self.module, self.optimizer, path, self._replicas_group)

@@ -242,10 +242,12 @@ def _check_tp_in_node(roles: dict[str, _Role], slots: dict[str, list[int]], per_
 def _rollout_shares_weights(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[int]]) -> bool:
     """Whether rollout samples with the trainer's own parameters (rollout.share_trainer_weights): the
     native sampler on exactly the ranks of a DDP torch trainer, whose fp32 weights are the ones it
-    would be sent, and a synchronous pipeline, so that rollout never runs while they change."""
+    would be sent, and a synchronous pipeline, so that rollout never runs while they change; not with
+    context parallelism (the trainer's attention then needs its cp peers)."""
     infer, train = roles["actor_infer"], roles["actor_train"]
     return (job.rollout.share_trainer_weights and infer.engine == "native" and train.engine == "torch"
-            and not job.roles.actor_train.fsdp and job.model.dtype == "float32" and job.rollout.max_staleness == 0
+            and not job.roles.actor_train.fsdp and job.roles.actor_train.parallel.cp == 1
+            and job.model.dtype == "float32" and job.rollout.max_staleness == 0
             and slots["actor_infer"] == slots["actor_train"])
 
 

@@ -43,7 +43,9 @@ shards = tp*pp.
   I-wide tensors; the RMSNorms' fp32 inputs). In a MoE layer I is k*I_e + I_s (the k experts a
   token is routed to, and the shared one), plus b*(2k+1)*H (the token's k routed copies and the k
   expert outputs before their weighted sum) and 8E (fp32 router logits and probabilities),
-  averaged with the dense layers' over the layers. Q, KV and I are split by tp; a pipeline stage holds
+  averaged with the dense layers' over the layers. With context parallelism (engine torch) a cp
+  rank keeps 1/cp of it and of the response logits, plus the (cp-1)/cp of the keys and values it
+  gathers from the others (2*KV*b per token). Q, KV and I are split by tp; a pipeline stage holds
   layers / pp layers for up to pp micro-batches in flight (1F1B). train.recompute keeps only
   each layer's input (bH per token, for the pp micro-batches in flight) plus one layer's
   activations.
@@ -363,7 +365,9 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
     context = shape.max_position_embeddings
     rows = micro_batch_rows(job, parallel, context, training=role in TRAINING_ROLES)
     tokens = rows * context
-    per_token = _activation_per_token(shape, b, parallel.tp)
+    cp = parallel.cp   # a cp rank keeps its share of the positions, and every position's keys and values
+    per_token = (_activation_per_token(shape, b, parallel.tp)
+                 + 2 * shape.num_kv_heads * shape.head_dim * b * (cp - 1)) / cp
     layers = math.ceil(shape.num_layers / parallel.pp)
     vocab = math.ceil(shape.vocab_size / parallel.tp)
     megatron = job.engine(role) == "megatron"
@@ -373,7 +377,7 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
         activations = tokens * (layers * b * shape.hidden_size * parallel.pp + per_token)
     else:
         activations = tokens * layers * per_token * parallel.pp   # 1F1B: pp micro-batches in flight on stage 0
-    response = rows * (job.response_budget() + 1) * vocab
+    response = rows * math.ceil((job.response_budget() + 1) / cp) * vocab
     if role == "critic":   # one fp32 value per position (and its gradient) instead of the vocabulary's logits
         logits = rows * context * 4 * 2
     elif megatron:   # fp32 logits of every position and their gradient; three fp32 tensors of the responses'

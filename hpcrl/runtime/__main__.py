@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                   sync_send_group=groups.sync.get(stage) if name == "actor_train" else None,
                                   sync_sources=sources if name == "actor_infer" else [],
                                   sync_loaders=tuple(sync.loaders), sync_direct=direct,
-                                  shared_weights=layout.shared_weights)
+                                  shared_weights=layout.shared_weights, context_groups=groups.context.get(name))
                 peers[name] = ROLE_CLASSES[name](ctx)
                 if name in layout.movable:   # the controller brings it back for its first stage
                     peers[name].offload()

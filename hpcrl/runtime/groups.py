@@ -19,6 +19,8 @@ class ProcessGroups:
     dp: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)  # role -> this rank's DP group
     dp_index: dict[str, int] = field(default_factory=dict)                 # role -> this rank's DP index
     megatron: dict[str, dict] = field(default_factory=dict)                # role -> its Megatron groups here
+    # role -> (this rank's cp group, the role's dp x cp group), for a torch role with context parallelism
+    context: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = field(default_factory=dict)
     # role -> (this rank's replica group, its data leader), for replicas of more than one rank
     replica: dict[str, tuple[dist.ProcessGroup, int]] = field(default_factory=dict)
     sync: dict[int, dist.ProcessGroup] = field(default_factory=dict)       # trainer stage -> its sync group
@@ -44,6 +46,13 @@ def build_process_groups(layout: WorldLayout, rank: int, sync_timeout_s: float) 
             mine = new_role_groups(role_rank_groups(role.parallel, role.ranks), rank)
             if mine is not None:
                 groups.megatron[name] = mine
+        elif role.engine == "torch" and role.parallel.get("cp", 1) > 1:
+            # its cp groups, and DDP over every rank (the torch engine has no tp or pp: dp x cp is all)
+            cp_groups = {tuple(ranks): dist.new_group(ranks) for ranks in role.rank_groups["cp"]}
+            everyone = dist.new_group(list(role.ranks))
+            for ranks, group in cp_groups.items():
+                if rank in ranks:
+                    groups.context[name] = (group, everyone)
     # Batches are broadcast inside a replica over gloo, whatever the device (see data_plane.py).
     for name, role in layout.roles.items():
         for replica in role.replicas:

@@ -53,6 +53,7 @@ class RoleContext:
     sync_loaders: tuple[int, ...] = ()   # every rank that loads weights, in the sync groups' order
     sync_direct: bool = False            # vLLM on GPUs of its own: its TP workers receive over NCCL
     shared_weights: bool = False         # native rollout samples with this rank's actor_train parameters
+    context_groups: tuple | None = None  # (cp group, dp x cp group): engine torch with context parallelism
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
@@ -61,7 +62,7 @@ def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> Trainin
     job = ctx.job
     name = job.engine(role)
     groups = ctx.megatron_groups if name == "megatron" else ctx.dp_group
-    options = {"torch": {"fsdp": getattr(job.roles, role).fsdp},
+    options = {"torch": {"fsdp": getattr(job.roles, role).fsdp, "context_groups": ctx.context_groups},
                "deepspeed": {"zero_stage": job.zero_stage(role)}}.get(name, {})
     if role == "critic":   # the capability table keeps the critic off engines without a value head
         options["value_head"] = True
@@ -120,7 +121,7 @@ class ActorTrain(Resident):
         """Copy the weights of policy `version` to the host, on the sync sources, for the push that
         follows at rollout's next round boundary. Collective over the role (gathering is). With
         `digest`, every stage leader of every replica returns its tensors' digests (None elsewhere)."""
-        if self.ctx.dp_index != 0 and not digest and not self.trainer.gathers_over_dp:
+        if self.ctx.dp_index >= self.trainer.gather_replicas and not digest:
             return None   # only the first replica's weights are sent; gathering the others would be waste
         digests: list[tuple[str, str]] = []
         weights = self.trainer.named_weights()

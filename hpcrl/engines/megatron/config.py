@@ -38,6 +38,9 @@ def _check_supported(hf_config) -> None:
         raise ValueError("use_sliding_window=True is not supported by the megatron engine")
     if arch == "llama" and (hf_config.attention_bias or hf_config.mlp_bias):
         raise ValueError("LLaMA attention_bias/mlp_bias add biases (o_proj, MLP) the converter does not map")
+    if arch == "mixtral" and hf_config.router_jitter_noise:
+        raise ValueError(f"router_jitter_noise={hf_config.router_jitter_noise}: Mixtral's router noise is not "
+                         "mapped to megatron (the engines would route differently); set it to 0")
     if arch == "qwen3_moe" and hf_config.attention_bias:
         raise ValueError("Qwen3-MoE attention_bias adds an o_proj bias the converter does not map")
 
@@ -46,7 +49,8 @@ def _moe_kwargs(hf_config) -> dict[str, Any]:
     """The routed experts, as each HF arch routes: softmax over all experts, then the top k, whose
     probabilities are renormalised (Mixtral; Qwen with norm_topk_prob) -- the same as a softmax over
     the top-k logits, megatron's default -- or kept as they are (Qwen without it: pre-softmax).
-    Router scores in fp32, as transformers computes them; no load-balancing loss (hpcrl's objective
+    Router scores in fp32, as transformers computes them (the logits in the model's dtype first: see
+    model._route_as_transformers); no load-balancing loss (hpcrl's objective
     has none); dropless all-to-all dispatch, experts run one after another (no grouped GEMM kernel
     on CPU)."""
     arch = hf_config.model_type

@@ -32,7 +32,7 @@ from hpcrl.engines.model_files import ModelFiles
 from hpcrl.engines.objective import combine_micro_metrics, policy_objective, trained_mask, trained_tokens
 from hpcrl.engines.megatron.vocab_parallel import vocab_parallel_logprobs
 from hpcrl.engines.resharding import GPTShape, gather_hf
-from hpcrl.engines.torch_trainer import Samples
+from hpcrl.engines.torch_trainer import Samples, split_for_all
 from hpcrl.ragged import Ragged
 
 
@@ -55,7 +55,7 @@ class MegatronTrainer:
         self.pgc = pg_collection(groups)
         # each replica gathers its TP shards among its own ranks; experts split over EP ranks are
         # gathered from the replicas that hold them (EP ranks are DP ranks of the dense layers)
-        self.gathers_over_dp = self.pgc.ep.size() > 1
+        self.gather_replicas = self.pgc.ep.size()
         self.shape = GPTShape.from_hf(files.config())
         self.model = build_gpt_model(files, self.pgc, job.seed, DTYPES[job.model.dtype],
                                      recompute=trainable and job.train.recompute)
@@ -99,11 +99,18 @@ class MegatronTrainer:
         prompts, responses = samples.prompt_ids, samples.response_ids
         cut = micro_batching(self.job.train, joined=True)
         pp = self.pgc.pp.size()
+        # every MoE layer's all-to-all pairs the EP ranks (DP ranks of the dense layers) micro-batch
+        # by micro-batch: with ep > 1 they all run as many as the one that cuts most
+        peers = self.pgc.dp if self.pgc.ep.size() > 1 else None
         if pp == 1:
-            groups = cut.split(prompts.lengths, responses.lengths)
+            groups = split_for_all(cut, prompts, responses, peers, self.device)
             shape = {}
         else:
             groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp)
+            if peers is not None:
+                most = torch.tensor([len(groups)], device=self.device)
+                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=peers)
+                groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp, at_least=int(most))
             shape = {"width": max(1, cut.width(prompts.lengths, responses.lengths)),
                      "resp_width": max(1, responses.max_length())}
         return [(rows, pack(prompts.take(rows), responses.take(rows), self.pad_id,

@@ -42,6 +42,24 @@ def layer_spec(config, num_layers: int):
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
 
 
+def _route_as_transformers(model: torch.nn.Module) -> None:
+    """Router logits in the model's dtype, then fp32: transformers multiplies the hidden states by
+    the router in the model's dtype and only then takes the softmax and top-k in fp32, while
+    megatron's fp32 router (moe_router_dtype) multiplies in fp32. In bf16 the two round apart and
+    near-ties at the k-th expert would route tokens differently in training and rollout."""
+    import types
+
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def gating(router, hidden: torch.Tensor) -> torch.Tensor:
+        return router_gating_linear(hidden, router.weight, router.bias, hidden.dtype).float()
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.gating = types.MethodType(gating, module)
+
+
 def _mend_megatron_without_te() -> None:
     """megatron-core 0.16's router reads `te_general_gemm`, which its moe_utils defines only when
     Transformer Engine imports: without TE every MoE forward raised NameError. None is what the
@@ -79,6 +97,7 @@ def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recom
     _mend_megatron_without_te()
     model = GPTModel(config, layer_spec(config, config.num_layers // pp), pre_process=pp_rank == 0,
                      post_process=pp_rank == pp - 1, pg_collection=pgc, **gpt_model_kwargs(hf_config))
+    _route_as_transformers(model)
     _mark_tensor_parallel(model)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     model.to(device)

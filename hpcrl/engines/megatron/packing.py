@@ -43,10 +43,10 @@ def causal_mask(length: int, device: torch.device | str) -> torch.Tensor:
 
 
 def equal_micro_batches(cut: MicroBatching, prompt_lengths: np.ndarray, response_lengths: np.ndarray,
-                        pp: int) -> list[np.ndarray]:
+                        pp: int, at_least: int = 1) -> list[np.ndarray]:
     """Micro-batches of one size for a pipeline (pp > 1): the fewest, at least `pp` to fill it (or
-    one per sample), with no more than `cut.samples` rows and `cut.tokens` padded tokens each at
-    the step's common width; rows grouped by length."""
+    one per sample) and at least `at_least`, with no more than `cut.samples` rows and `cut.tokens`
+    padded tokens each at the step's common width; rows grouped by length."""
     samples = len(prompt_lengths)
     order = np.argsort(-(np.asarray(prompt_lengths) + np.asarray(response_lengths)), kind="stable")
     width = cut.width(prompt_lengths, response_lengths)
@@ -55,5 +55,6 @@ def equal_micro_batches(cut: MicroBatching, prompt_lengths: np.ndarray, response
         size = samples // count
         return (cut.samples is None or size <= cut.samples) and (cut.tokens is None or size * width <= cut.tokens)
 
-    count = next((m for m in range(min(pp, samples), samples + 1) if samples % m == 0 and fits(m)), samples)
+    count = next((m for m in range(max(min(pp, samples), at_least), samples + 1) if samples % m == 0 and fits(m)),
+                 samples)
     return list(order.reshape(count, -1))

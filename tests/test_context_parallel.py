@@ -1,0 +1,185 @@
+"""Context parallelism in the torch engine, for real: 5 MPI ranks over gloo (rank 0 plays the
+controller), the role on ranks 1-4 with cp=2 x dp=2.
+
+Each cp rank runs its load-balanced share of the positions and gathers the others' keys and values;
+the results must be the engine's without cp, on the same weights and samples: log-probabilities
+of long sequences and a critic's values (1e-5), and two PPO steps (GRPO's per-sequence loss mean,
+DDP over the 4 ranks) that end at the same weights, loss and gradient norm. One batch has responses
+of one token after long prompts, so that a cp rank holds no position that predicts a response
+token (its backward must still take part in the others' gathers); it is trained on first. Run as a script (by the
+fixture) it is the MPI program; rank 0 writes the findings as JSON.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import mpi_findings, run_mpi_program
+
+ARCHS = ("qwen2", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def findings(tmp_path_factory) -> dict:
+    return mpi_findings(__file__, 5, tmp_path_factory.mktemp("cp") / "findings.json", timeout=600)
+
+
+def test_the_plans_cp_groups_split_each_replica_and_dp_groups_pair_equal_shares():
+    from hpcrl.placement.rank_groups import megatron_groups
+
+    local = megatron_groups(tp=1, pp=1, cp=2, ep=1, dp=2)
+    assert {kind: [[ROLE[i] for i in group] for group in local[kind]] for kind in ("cp", "dp")} == PLAN
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_of_long_sequences_with_cp2_equal_the_engine_without_cp(findings, arch):
+    assert findings[arch]["logprob_max_diff"] < 1e-5
+    assert findings[arch]["short_logprob_max_diff"] < 1e-5, "a cp rank without response positions"
+
+
+def test_a_critics_values_with_cp2_equal_the_engine_without_cp(findings):
+    assert findings["qwen2"]["value_max_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ppo_steps_with_cp2_and_dp2_match_the_engine_without_cp(findings, arch):
+    found = findings[arch]
+    assert found["trained_weights_max_diff"] < 2e-5 and found["weights_changed"] > 1e-4, found
+    # the replicas' loss estimates average to the whole minibatch's loss; the gradient norm is global
+    for key in ("loss", "grad_norm"):
+        assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-5, (key, found)
+
+
+# ---- the MPI program ---------------------------------------------------------------------------------------------
+
+ROLE = [1, 2, 3, 4]
+# the plan's groups of a torch role with cp=2, dp=2 on ranks 1-4 (megatron_groups' local ranks, shifted)
+PLAN = {"cp": [[1, 2], [3, 4]], "dp": [[1, 3], [2, 4]]}
+
+
+def _job(arch: str):
+    from hpcrl.config.job import JobConfig
+
+    experts = {"num_experts": 4, "moe_intermediate_size": 16} if arch == "qwen3_moe" else {}
+    return JobConfig.model_validate({
+        "name": "cp-test", "task": {"name": "addition"},
+        "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": 48, "max_position_embeddings": 128, **experts},
+        "algorithm": {"name": "grpo", "entropy_coef": 0.01},
+        "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
+        "rollout": {"temperature": 0.9},
+        "roles": {"actor_train": {"parallel": {"cp": 2, "dp": 2}}, "actor_infer": {}},
+    })
+
+
+def _rows(generator, count: int, low: int, high: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    return [torch.randint(3, vocab, (int(n),), generator=generator).tolist()
+            for n in torch.randint(low, high, (count,), generator=generator)]
+
+
+def _samples(reference, vocab: int, generator, prompt_range=(20, 60), response_range=(5, 40)):
+    import numpy as np
+    import torch
+
+    from hpcrl.engines.torch_trainer import Samples
+    from hpcrl.ragged import Ragged
+
+    prompts = Ragged.from_rows([[1] + row for row in _rows(generator, 8, *prompt_range, vocab)], np.int32)
+    responses = Ragged.from_rows(_rows(generator, 8, *response_range, vocab), np.int32)
+    old = reference.logprobs(prompts, responses)
+    advantages = np.repeat(torch.randn(len(old), generator=generator).numpy(), old.lengths)
+    columns = {"old_logprobs": old, "ref_logprobs": old.with_values(old.values - 0.1),
+               "advantages": old.with_values(advantages)}
+    return Samples(prompts, responses, columns)
+
+
+def _half(samples, index: int):
+    from hpcrl.engines.torch_trainer import Samples
+
+    cut = (4 * index, 4 * index + 4)
+    return Samples(samples.prompt_ids.slice(*cut), samples.response_ids.slice(*cut),
+                   {k: v.slice(*cut) for k, v in samples.columns.items()})
+
+
+def _max_diff(a, b) -> float:
+    return float(abs(a.values - b.values).max())
+
+
+def _arch(arch: str, rank: int, groups: dict, context_groups) -> dict:
+    import tempfile
+
+    import torch
+    from conftest import random_files
+
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.torch_trainer import TorchTrainer
+
+    job = _job(arch)
+    tokenizer = CharTokenizer()
+    files = random_files(job, tokenizer, Path(tempfile.mkdtemp(prefix=f"hpcrl-cp-{rank}-")))
+    reference = TorchTrainer(files, job, tokenizer.pad_token_id, None)
+    dp_group = groups["dp_group"]
+    engine = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, context_groups=context_groups)
+    generator = torch.Generator().manual_seed(11)
+    samples = _samples(reference, tokenizer.vocab_size, generator)
+    short = _samples(reference, tokenizer.vocab_size, generator, prompt_range=(60, 90), response_range=(1, 2))
+    found = {"logprob_max_diff": _max_diff(engine.logprobs(samples.prompt_ids, samples.response_ids),
+                                           samples.columns["old_logprobs"]),
+             "short_logprob_max_diff": _max_diff(engine.logprobs(short.prompt_ids, short.response_ids),
+                                                 short.columns["old_logprobs"])}
+    if arch == "qwen2":
+        critic = TorchTrainer(files, job, tokenizer.pad_token_id, None, value_head=True)
+        critic_cp = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, value_head=True,
+                                 context_groups=context_groups)
+        torch.manual_seed(0)
+        torch.nn.init.normal_(critic.module.score.weight)   # a value head that is not all zeros
+        with torch.no_grad():
+            critic_cp.module.score.weight.copy_(critic.module.score.weight)
+        found["value_max_diff"] = _max_diff(critic_cp.values(samples.prompt_ids, samples.response_ids),
+                                            critic.values(samples.prompt_ids, samples.response_ids))
+    before = {n: t.clone() for n, t in reference.named_weights()}
+    engine.train_step(_half(short, groups["dp_index"]), job.train.lr)   # a cp rank's backward with nothing to predict
+    reference.train_step(short, job.train.lr)
+    found["metrics"] = engine.train_step(_half(samples, groups["dp_index"]), job.train.lr)
+    found["reference_metrics"] = reference.train_step(samples, job.train.lr)
+    after = dict(reference.named_weights())
+    found["trained_weights_max_diff"] = max(float((t - after[n]).abs().max()) for n, t in engine.named_weights())
+    found["weights_changed"] = max(float((after[n] - before[n]).abs().max()) for n in after)
+    return found
+
+
+def _rank(rank: int) -> dict:
+    import torch.distributed as dist
+
+    # as hpcrl.runtime.groups builds them: collective over the world, rank 0 (the controller) too
+    cp_groups = {tuple(r): dist.new_group(r) for r in PLAN["cp"]}
+    dp_groups = {tuple(r): dist.new_group(r) for r in PLAN["dp"]}
+    everyone = dist.new_group(ROLE)
+    if rank not in ROLE:
+        return {}
+    cp_group = next(g for r, g in cp_groups.items() if rank in r)
+    dp_ranks, dp_group = next((r, g) for r, g in dp_groups.items() if rank in r)
+    groups = {"dp_group": dp_group, "dp_index": dp_ranks.index(rank)}
+    return {arch: _arch(arch, rank, groups, (cp_group, everyone)) for arch in ARCHS}
+
+
+def _merge(everyone: list[dict]) -> dict:
+    merged: dict = {"groups": PLAN}
+    for arch in ARCHS:
+        per_rank = [f[arch] for f in everyone if f]
+        merged[arch] = {key: max(f[key] for f in per_rank) for key in per_rank[0] if key.endswith("diff")}
+        metrics = {key: sum(f["metrics"][key] for f in per_rank) / len(per_rank) for key in ("loss", "grad_norm")}
+        merged[arch].update(metrics=metrics, reference_metrics=per_rank[0]["reference_metrics"],
+                            weights_changed=per_rank[0]["weights_changed"])
+    return merged
+
+
+def main(out: Path) -> None:
+    run_mpi_program(_rank, _merge, out)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
