@@ -19,14 +19,13 @@ Run as a script (by the fixture) it is the MPI program; rank 0 writes the findin
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mpi_findings, random_files
+from conftest import REPO, mpi_findings, random_files, run_mpi_program
 
 MICRO = {"whole": [], "one_sample": ["train.micro_batch_size=1"], "budget": ["train.max_tokens_per_micro_batch=40"]}
 
@@ -341,88 +340,75 @@ def _shim_check(files, tokenizer, rank: int, found: dict) -> None:
                      "hf_logits_max_diff": float((after - before).abs().max())}
 
 
-def main(out: Path) -> None:
-    import torch
+def _rank(rank: int) -> dict:
     import torch.distributed as dist
-    from mpi4py import MPI
+
+    from torch.distributed.tensor import DTensor
 
     from hpcrl.data import CharTokenizer
-    from hpcrl.runtime.mpi_world import init_torch_distributed
+    from hpcrl.engines.torch_trainer import TorchTrainer
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    torch.set_num_threads(1)
-    init_torch_distributed("gloo")
     world = dist.new_group([0, 1])
     tokenizer = CharTokenizer()
     files = random_files(_job(), tokenizer, Path(tempfile.mkdtemp(prefix=f"hpcrl-sharded-{rank}-")))
     found: dict = {}
-    try:
-        from torch.distributed.tensor import DTensor
 
-        from hpcrl.engines.torch_trainer import TorchTrainer
+    samples = _samples(tokenizer, files, _job(), seed=1)
 
-        samples = _samples(tokenizer, files, _job(), seed=1)
+    def torch_engine(group, fsdp):
+        return lambda job: TorchTrainer(files, job, tokenizer.pad_token_id, group, fsdp=fsdp)
 
-        def torch_engine(group, fsdp):
-            return lambda job: TorchTrainer(files, job, tokenizer.pad_token_id, group, fsdp=fsdp)
+    fsdp = torch_engine(world, True)(_job())
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in fsdp.module.parameters())
+    found["fsdp2"] = _sharded_check(fsdp, files, samples, local)
+    alone = torch_engine(None, False)(_job())
+    alone.train_step(samples, 1e-3)   # all 8 samples on this rank
+    one_rank = _full_grads(alone.module)
+    found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: _full_grads(e.module), samples, rank,
+                                    one_rank)
+    found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: _full_grads(e.module), samples, rank,
+                                      one_rank)
+    whole = _one_rank(torch_engine(None, False), lambda e: _full_grads(e.module), samples)
+    found["uneven_ddp"] = _uneven_check(torch_engine(world, False), lambda e: _full_grads(e.module), whole,
+                                        samples, rank, world)
+    critic_samples = _critic_samples(samples, seed=2)
+    critic_files = _with_value_head(files, tokenizer, rank)
 
-        fsdp = torch_engine(world, True)(_job())
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in fsdp.module.parameters())
-        found["fsdp2"] = _sharded_check(fsdp, files, samples, local)
-        alone = torch_engine(None, False)(_job())
-        alone.train_step(samples, 1e-3)   # all 8 samples on this rank
-        one_rank = _full_grads(alone.module)
-        found["grad_ddp"] = _grad_check(torch_engine(world, False), lambda e: _full_grads(e.module), samples, rank,
-                                        one_rank)
-        found["grad_fsdp2"] = _grad_check(torch_engine(world, True), lambda e: _full_grads(e.module), samples, rank,
-                                          one_rank)
-        whole = _one_rank(torch_engine(None, False), lambda e: _full_grads(e.module), samples)
-        found["uneven_ddp"] = _uneven_check(torch_engine(world, False), lambda e: _full_grads(e.module), whole,
-                                            samples, rank, world)
-        critic_samples = _critic_samples(samples, seed=2)
-        critic_files = _with_value_head(files, tokenizer, rank)
+    def critic(group, fsdp):
+        return lambda: TorchTrainer(critic_files, _job(), tokenizer.pad_token_id, group, fsdp=fsdp,
+                                    value_head=True)
 
-        def critic(group, fsdp):
-            return lambda: TorchTrainer(critic_files, _job(), tokenizer.pad_token_id, group, fsdp=fsdp,
-                                        value_head=True)
+    whole_critic = critic(None, False)()
+    whole_values = whole_critic.values(critic_samples.prompt_ids, critic_samples.response_ids).values
+    whole_critic.train_step(critic_samples, 1e-3)
+    whole_critic_state = (whole_values, _full_grads(whole_critic.module))
+    found["critic_fsdp2"] = _critic_check(critic(world, True), lambda e: _full_grads(e.module),
+                                          whole_critic_state, critic_samples, rank)
+    found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
+    found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
+    found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")
+    if importlib.util.find_spec("deepspeed") is not None:
+        from hpcrl.engines.deepspeed_engine import DeepSpeedTrainer
 
-        whole_critic = critic(None, False)()
-        whole_values = whole_critic.values(critic_samples.prompt_ids, critic_samples.response_ids).values
-        whole_critic.train_step(critic_samples, 1e-3)
-        whole_critic_state = (whole_values, _full_grads(whole_critic.module))
-        found["critic_fsdp2"] = _critic_check(critic(world, True), lambda e: _full_grads(e.module),
-                                              whole_critic_state, critic_samples, rank)
-        found["lr1e-6_fp32"] = _moved_share(torch_engine(None, False), samples, rank, "float32")
-        found["lr1e-6_bf16_autocast"] = _moved_share(torch_engine(None, False), samples, rank, "bfloat16")
-        found["lr1e-6_bf16_fsdp2"] = _moved_share(torch_engine(world, True), samples, rank, "bfloat16")
-        if importlib.util.find_spec("deepspeed") is not None:
-            from hpcrl.engines.deepspeed_engine import DeepSpeedTrainer
+        zero3 = DeepSpeedTrainer(files, _job(), tokenizer.pad_token_id, world, zero_stage=3)
+        local = sum(p.ds_tensor.numel() for p in zero3.module.parameters())
+        found["zero3"] = _sharded_check(zero3, files, samples, local)
+        # ZeRO-3's gradient hooks are made without gathering the parameters (deepspeed_grad_hooks)
+        zero3 = lambda job: _zero3_grads(DeepSpeedTrainer(files, job, tokenizer.pad_token_id, world,  # noqa: E731
+                                                          zero_stage=3))
+        found["grad_zero3"] = _grad_check(zero3, lambda e: e.applied, samples, rank, one_rank)
+        found["uneven_zero3"] = _uneven_check(zero3, lambda e: e.applied, whole, samples, rank, world)
+        found["critic_zero3"] = _critic_check(
+            lambda: _zero3_grads(DeepSpeedTrainer(critic_files, _job(), tokenizer.pad_token_id, world,
+                                                  zero_stage=3, value_head=True)),
+            lambda e: e.applied, whole_critic_state, critic_samples, rank)
+    if importlib.util.find_spec("megatron") is not None:
+        _shim_check(files, tokenizer, rank, found)
+    return found
 
-            zero3 = DeepSpeedTrainer(files, _job(), tokenizer.pad_token_id, world, zero_stage=3)
-            local = sum(p.ds_tensor.numel() for p in zero3.module.parameters())
-            found["zero3"] = _sharded_check(zero3, files, samples, local)
-            # ZeRO-3's gradient hooks are made without gathering the parameters (deepspeed_grad_hooks)
-            zero3 = lambda job: _zero3_grads(DeepSpeedTrainer(files, job, tokenizer.pad_token_id, world,  # noqa: E731
-                                                              zero_stage=3))
-            found["grad_zero3"] = _grad_check(zero3, lambda e: e.applied, samples, rank, one_rank)
-            found["uneven_zero3"] = _uneven_check(zero3, lambda e: e.applied, whole, samples, rank, world)
-            found["critic_zero3"] = _critic_check(
-                lambda: _zero3_grads(DeepSpeedTrainer(critic_files, _job(), tokenizer.pad_token_id, world,
-                                                      zero_stage=3, value_head=True)),
-                lambda e: e.applied, whole_critic_state, critic_samples, rank)
-        if importlib.util.find_spec("megatron") is not None:
-            _shim_check(files, tokenizer, rank, found)
-    except BaseException:
-        import traceback
 
-        traceback.print_exc()
-        comm.Abort(1)   # the other rank would wait in a collective forever
-        raise
-    if rank == 0:
-        out.write_text(json.dumps(found))
-    dist.barrier()
-    dist.destroy_process_group()
+def main(out: Path) -> None:
+    run_mpi_program(_rank, lambda everyone: everyone[0], out)
 
 
 if __name__ == "__main__":
