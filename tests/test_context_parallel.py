@@ -1,5 +1,5 @@
 """Context parallelism in the torch engine, for real: 5 MPI ranks over gloo (rank 0 plays the
-controller), the role on ranks 1-4 with cp=2 x dp=2.
+controller), the role on ranks 1-4 with cp=2 x dp=2, with DDP and with FSDP2.
 
 Each cp rank runs its load-balanced share of the positions and gathers the others' keys and values;
 the results must be the engine's without cp, on the same weights and samples: log-probabilities
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import mpi_findings, run_mpi_program
 
-ARCHS = ("qwen2", "qwen3_moe")
+VARIANTS = {"qwen2": ("qwen2", False), "qwen3_moe": ("qwen3_moe", False), "qwen2_fsdp2": ("qwen2", True)}
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +32,21 @@ def test_the_plans_cp_groups_split_each_replica_and_dp_groups_pair_equal_shares(
     assert {kind: [[ROLE[i] for i in group] for group in local[kind]] for kind in ("cp", "dp")} == PLAN
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_logprobs_of_long_sequences_with_cp2_equal_the_engine_without_cp(findings, arch):
-    assert findings[arch]["logprob_max_diff"] < 1e-5
-    assert findings[arch]["short_logprob_max_diff"] < 1e-5, "a cp rank without response positions"
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logprobs_of_long_sequences_with_cp2_equal_the_engine_without_cp(findings, variant):
+    assert findings[variant]["logprob_max_diff"] < 1e-5
+    assert findings[variant]["short_logprob_max_diff"] < 1e-5, "a cp rank without response positions"
 
 
 def test_a_critics_values_with_cp2_equal_the_engine_without_cp(findings):
     assert findings["qwen2"]["value_max_diff"] < 1e-5
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_two_ppo_steps_with_cp2_and_dp2_match_the_engine_without_cp(findings, arch):
-    found = findings[arch]
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ppo_steps_with_cp2_and_dp2_match_the_engine_without_cp(findings, variant):
+    """DDP replicas averaged over the 4 ranks, or FSDP2 shards over them (as torchtitan shards over
+    dp_shard x cp)."""
+    found = findings[variant]
     assert found["trained_weights_max_diff"] < 2e-5 and found["weights_changed"] > 1e-4, found
     # the replicas' loss estimates average to the whole minibatch's loss; the gradient norm is global
     for key in ("loss", "grad_norm"):
@@ -108,7 +110,7 @@ def _max_diff(a, b) -> float:
     return float(abs(a.values - b.values).max())
 
 
-def _arch(arch: str, rank: int, groups: dict, context_groups) -> dict:
+def _variant(arch: str, fsdp: bool, rank: int, groups: dict, context_groups) -> dict:
     import tempfile
 
     import torch
@@ -122,7 +124,7 @@ def _arch(arch: str, rank: int, groups: dict, context_groups) -> dict:
     files = random_files(job, tokenizer, Path(tempfile.mkdtemp(prefix=f"hpcrl-cp-{rank}-")))
     reference = TorchTrainer(files, job, tokenizer.pad_token_id, None)
     dp_group = groups["dp_group"]
-    engine = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, context_groups=context_groups)
+    engine = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, fsdp=fsdp, context_groups=context_groups)
     generator = torch.Generator().manual_seed(11)
     samples = _samples(reference, tokenizer.vocab_size, generator)
     short = _samples(reference, tokenizer.vocab_size, generator, prompt_range=(60, 90), response_range=(1, 2))
@@ -130,7 +132,7 @@ def _arch(arch: str, rank: int, groups: dict, context_groups) -> dict:
                                            samples.columns["old_logprobs"]),
              "short_logprob_max_diff": _max_diff(engine.logprobs(short.prompt_ids, short.response_ids),
                                                  short.columns["old_logprobs"])}
-    if arch == "qwen2":
+    if arch == "qwen2" and not fsdp:
         critic = TorchTrainer(files, job, tokenizer.pad_token_id, None, value_head=True)
         critic_cp = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, value_head=True,
                                  context_groups=context_groups)
@@ -163,16 +165,16 @@ def _rank(rank: int) -> dict:
     cp_group = next(g for r, g in cp_groups.items() if rank in r)
     dp_ranks, dp_group = next((r, g) for r, g in dp_groups.items() if rank in r)
     groups = {"dp_group": dp_group, "dp_index": dp_ranks.index(rank)}
-    return {arch: _arch(arch, rank, groups, (cp_group, everyone)) for arch in ARCHS}
+    return {name: _variant(*variant, rank, groups, (cp_group, everyone)) for name, variant in VARIANTS.items()}
 
 
 def _merge(everyone: list[dict]) -> dict:
     merged: dict = {"groups": PLAN}
-    for arch in ARCHS:
-        per_rank = [f[arch] for f in everyone if f]
-        merged[arch] = {key: max(f[key] for f in per_rank) for key in per_rank[0] if key.endswith("diff")}
+    for name in VARIANTS:
+        per_rank = [f[name] for f in everyone if f]
+        merged[name] = {key: max(f[key] for f in per_rank) for key in per_rank[0] if key.endswith("diff")}
         metrics = {key: sum(f["metrics"][key] for f in per_rank) / len(per_rank) for key in ("loss", "grad_norm")}
-        merged[arch].update(metrics=metrics, reference_metrics=per_rank[0]["reference_metrics"],
+        merged[name].update(metrics=metrics, reference_metrics=per_rank[0]["reference_metrics"],
                             weights_changed=per_rank[0]["weights_changed"])
     return merged
 

@@ -469,8 +469,8 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["model.arch=qwen2_moe", "model.num_experts=6", "roles.actor_train.engine=megatron",
             "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=4"],
      "roles.actor_train.parallel.ep: 6 experts do not split over ep = 4"),
-    (TINY, ["roles.actor_train.fsdp=true", "roles.actor_train.parallel.cp=2"],
-     "roles.actor_train.parallel.cp: the torch engine's context parallelism runs on DDP replicas"),
+    (TINY, ["roles.actor_train.engine=deepspeed", "roles.actor_train.parallel.cp=2"],
+     "roles.actor_train.parallel.cp: cp = 2, but the deepspeed engine is data parallel only"),
     (TINY, ["model.arch=mixtral", "model.num_experts=4", "roles.actor_train.engine=megatron",
             "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=2"],
      "roles.actor_train.parallel.ep: the expert-parallel ranks are data-parallel ranks of the dense layers "
@@ -645,6 +645,22 @@ def test_the_30b_a3b_example_splits_its_experts_over_8_ep_ranks_of_each_16_way_r
     assert trainer.memory.part("weights") == math.ceil((params - experts + experts / 8) * 2)
     assert trainer.memory.part("master+Adam") == math.ceil(params * 12 / 16)
     assert max(stage.slot_memory_gb[0] for stage in plan.stages.values()) < 80
+
+
+def test_the_long_context_example_splits_each_32k_sequence_over_the_8_gpus_of_a_node():
+    """Qwen2.5-7B with 32K-token sequences: cp groups are a node's 8 GPUs, FSDP2 shards over all 16
+    (dp x cp); without cp one sequence's activations alone are refused (237 GB per GPU)."""
+    job_config = load_job(REPO_ROOT / "jobs" / "qwen2.5-7b-longctx-grpo.yaml")
+    cluster = load_profile(REPO_ROOT / "clusters" / "example-4x8-h100.yaml")
+    plan = compile_plan(job_config, cluster)
+    trainer = plan.roles["actor_train"]
+    assert trainer.rank_groups["cp"] == [list(range(1, 9)), list(range(9, 17))]
+    params = count_parameters(ModelShape.from_model(job_config.model))
+    assert trainer.memory.part("Adam") == math.ceil(params * 8 / 16)
+    assert max(stage.slot_memory_gb[0] for stage in plan.stages.values()) < 50
+    without_cp = load_job(REPO_ROOT / "jobs" / "qwen2.5-7b-longctx-grpo.yaml",
+                          ["roles.actor_train.parallel.cp=1", "roles.actor_train.parallel.dp=16"])
+    assert "over the device's 80 GB" in rejects("roles.actor_train.parallel: the memory estimate", without_cp, cluster)
 
 
 def test_what_waits_in_host_memory_must_fit_the_node():

@@ -488,9 +488,6 @@ class JobConfig(Schema):
             if role.fsdp and engine != "torch":
                 raise ValueError(f"roles.{name}.fsdp: FSDP2 is how the torch engine shards (this role's engine is "
                                  f"{engine!r}); remove fsdp, or use zero_stage with engine: deepspeed")
-            if role.fsdp and role.parallel.cp > 1:
-                raise ValueError(f"roles.{name}.parallel.cp: the torch engine's context parallelism runs on DDP "
-                                 "replicas, and fsdp: true shards them; remove fsdp or use cp: 1")
             if engine == "torch" and name in ("actor_train", "critic") and self.model.dtype == "float16":
                 raise ValueError(f"model.dtype: float16 training needs loss scaling, which the torch engine (roles."
                                  f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")

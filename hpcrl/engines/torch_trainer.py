@@ -5,8 +5,9 @@ hpcrl.engines.objective's (every engine's); this class owns the model, the optim
 minibatch loop: each minibatch is one optimizer step, accumulated over micro-batches
 (`train.micro_batch_size`, `train.max_tokens_per_micro_batch`). With bf16/fp16 the trainable
 weights and Adam's state stay fp32 (master weights) and only the compute runs in the job's dtype:
-FSDP2 casts per layer, DDP and one rank under autocast. With context parallelism (DDP only) the cp
-ranks of a replica each run their share of the positions (hpcrl.engines.context_parallel).
+FSDP2 casts per layer, DDP and one rank under autocast. With context parallelism the cp ranks of a
+replica each run their share of the positions (hpcrl.engines.context_parallel); DDP averages and
+FSDP2 shards over the DP x CP ranks.
 """
 from __future__ import annotations
 
@@ -89,9 +90,8 @@ class TorchTrainer:
                  device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False,
                  value_head: bool = False, context_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None):
         """fsdp: shard with FSDP2 over `dp_group` (each decoder layer a unit) instead of DDP replicas.
-        context_groups: (this rank's cp group, the dp x cp group DDP then averages over)."""
-        if context_groups is not None and fsdp:
-            raise ValueError("context parallelism runs with DDP replicas: fsdp: true does not take parallel.cp > 1")
+        context_groups: (this rank's cp group, the dp x cp group that DDP averages over or FSDP2
+        shards over, as torchtitan shards over dp_shard x cp)."""
         self.job = job
         self.cp_group, self.dp_cp_group = context_groups or (None, None)
         self.value_head = value_head
@@ -102,11 +102,12 @@ class TorchTrainer:
         self.compute_dtype = DTYPES[job.model.dtype]
         self.trainable = trainable
         master = self._master_dtype()
-        # FSDP2 gathers each parameter over the DP ranks: every rank takes part in named_weights
-        self._sharded = fsdp and self.dp_size > 1
+        # FSDP2 gathers each parameter over the DP (x CP) ranks: every rank takes part in named_weights
+        group = self._weights_group
+        self._sharded = fsdp and group is not None and dist.get_world_size(group) > 1
         self.gather_replicas = self.dp_size if self._sharded else 1
         if self._sharded:
-            model = load_sharded(files, dp_group, self.device, master,
+            model = load_sharded(files, group, self.device, master,
                                  self.compute_dtype if master != self.compute_dtype else None, value_head)
         else:
             model = load_full(files, master, self.device, value_head)
@@ -132,12 +133,13 @@ class TorchTrainer:
         return torch.float32 if self.trainable else self.compute_dtype
 
     @property
-    def _replicas_group(self) -> dist.ProcessGroup | None:
-        """The ranks holding the same weights: DDP averages over them, checkpoints save over them."""
+    def _weights_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the weights together: DDP replicas average over them, FSDP2 shards
+        over them, checkpoints save over them (the DP ranks, with cp the DP x CP ranks)."""
         return self.dp_cp_group if self.cp_group is not None else self.dp_group
 
     def _wrap(self, model: torch.nn.Module) -> None:
-        group = self._replicas_group
+        group = self._weights_group
         if group is not None and dist.get_world_size(group) > 1 and not self._sharded:
             # gradients as views of DDP's buckets: one copy of them, which offload frees with the views
             self.model = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
@@ -300,7 +302,7 @@ class TorchTrainer:
 
     def save_state(self, path: Path) -> None:
         """DCP shards of model + optimizer (collective over the DP group): loadable on another DP size."""
-        save_train_state(self.module, self.optimizer, path, self._replicas_group)
+        save_train_state(self.module, self.optimizer, path, self._weights_group)
 
     def load_state(self, path: Path) -> None:
-        load_train_state(self.module, self.optimizer, path, self._replicas_group)
+        load_train_state(self.module, self.optimizer, path, self._weights_group)

@@ -18,7 +18,7 @@ shards = tp*pp.
 - Model state of a training role (actor_train, critic), by engine:
   - torch: fp32 master weights 4P, fp32 gradients 4P, Adam 8P, and 8P of transients (AdamW's
     temporaries, foreach on GPUs, and gradient accumulation's; calibrated on CPU by
-    bench/memory.py); with FSDP2 all divided by dp,
+    bench/memory.py); with FSDP2 all divided by dp (by dp x cp with context parallelism),
     plus the units gathered for compute (two decoder layers and the root's embedding and head,
     in b); with DDP (dp > 1) its gradient buckets (4P); with autocast (b = 2, no FSDP2) the
     weights' 16-bit copies (bP).
@@ -325,7 +325,8 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
     tp, dp = parallel.tp, parallel.dp
     engine = job.engine(role)
     trainable = role in TRAINING_ROLES
-    sharded = job.zero_stage(role) >= 3 and dp > 1
+    shards = dp * parallel.cp   # FSDP2 shards over the DP x CP ranks (cp > 1 runs on engine torch only)
+    sharded = job.zero_stage(role) >= 3 and shards > 1
     stage = stage_parameters(shape, params, parallel.pp, "value" if role == "critic" else "lm")
     gathered = [("gathered units", _gathered_units(shape, b))] if sharded else []
     # megatron splits the routed experts over ep as well (and shards their optimizer state over the
@@ -334,7 +335,7 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
         if engine == "megatron" else 0
     held = stage - experts + experts / parallel.ep
     if not trainable:
-        return [("weights", math.ceil(held * b / tp / (dp if sharded else 1)))] + gathered
+        return [("weights", math.ceil(held * b / tp / (shards if sharded else 1)))] + gathered
     if engine == "megatron":
         master = 4 if b < 4 else 0
         return [("weights", math.ceil(held * b / tp)), ("grads", math.ceil(held * 4 / tp)),
@@ -347,12 +348,12 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
                 ("master+Adam", math.ceil(params * 12 / (dp if zero >= 1 else 1))),
                 ("step transients", math.ceil(stepped * (8 if zero < 3 else 12) / (dp if zero >= 1 else 1)))
                 ] + gathered
-    # torch: fp32 master weights are the parameters; FSDP2 shards all of it over dp
-    share = dp if sharded else 1
+    # torch: fp32 master weights are the parameters; FSDP2 shards all of it over dp (x cp)
+    share = shards if sharded else 1
     parts = [("weights", math.ceil(params * 4 / share)), ("grads", math.ceil(params * 4 / share)),
              ("Adam", math.ceil(params * 8 / share)), ("step transients", math.ceil(params * 8 / share))]
     if not sharded:
-        if dp > 1:
+        if shards > 1:
             parts.append(("DDP buckets", params * 4))
         if b < 4:
             parts.append(("autocast copies", params * b))
