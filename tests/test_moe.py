@@ -45,6 +45,28 @@ def test_a_hub_checkpoint_stored_per_expert_reads_as_the_fused_tensors_transform
                        fused.down_proj.detach().reshape(-1)[70:3070])
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_what_hpcrl_writes_and_sends_vllm_is_the_hub_layout_transformers_saves(arch, tmp_path):
+    """save_model (the random init, exports) and the weights pushed to vLLM cut the fused expert
+    tensors into the hub's per-expert ones: the very tensors, names and files of transformers'
+    own save_pretrained, which is what vLLM's loaders read."""
+    from safetensors.torch import load_file
+
+    from hpcrl.config import load_job
+    from hpcrl.engines.expert_layout import hub_tensors
+    from hpcrl.engines.hf_model import random_model
+    from hpcrl.engines.model_files import save_model
+
+    model_config = load_job("jobs/tiny_grpo.yaml", [f"model.arch={arch}", "model.num_experts=4", *ARCHS[arch]]).model
+    model = random_model(model_config, _Ids, seed=5)
+    model.save_pretrained(tmp_path / "transformers")
+    saved = load_file(tmp_path / "transformers" / "model.safetensors")
+    sent = dict(hub_tensors(model.named_parameters(), model.config.model_type))
+    assert sent.keys() == saved.keys() and all(torch.equal(sent[n], saved[n]) for n in saved)
+    written = load_file(save_model(model, tmp_path / "hpcrl") / "model.safetensors")
+    assert written.keys() == saved.keys() and all(torch.equal(written[n], saved[n]) for n in saved)
+
+
 MOE = ["model.arch=qwen2_moe", "model.num_experts=4", "model.experts_per_token=2", "model.moe_intermediate_size=32",
        "train.prompts_per_step=8", "algorithm.group_size=4", "log.tensorboard=false", "train.steps=3",
        "checkpoint.every=3", "log.check_weights=true"]

@@ -475,8 +475,6 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
             "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=2"],
      "roles.actor_train.parallel.ep: the expert-parallel ranks are data-parallel ranks of the dense layers "
      "(megatron-core folds ep into dp x cp = 2), and ep = 4 does not divide 2"),
-    (TINY, ["model.arch=qwen2_moe", "model.num_experts=8", "roles.actor_infer.engine=vllm"],
-     "roles.actor_infer.engine: vllm: the weight sync sends transformers' fused expert tensors"),
     (TINY, ["model.num_experts=4"], "num_experts applies to mixture-of-experts archs (qwen2_moe, qwen3_moe, mixtral), "
                                     "not arch qwen2"),
     (TINY, ["model.arch=mixtral"], "num_experts: arch mixtral is a mixture of experts; give its number of experts"),

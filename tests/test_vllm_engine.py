@@ -53,7 +53,11 @@ def test_the_sampled_tokens_logprobs_are_read_from_each_step():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install hpcrl[vllm])")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path):
+@pytest.mark.parametrize("model", [[], ["model.arch=qwen2_moe", "model.num_experts=4"]], ids=["qwen2", "qwen2_moe"])
+def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path, model):
+    """Also a MoE model: vLLM loads hpcrl's init directory (experts in the hub layout), and its
+    samples' log-probs are the HF model's; then weights pushed in that layout land (the engine's
+    own loader: the same log-probs again)."""
     from hpcrl.config import load_job
     from hpcrl.data import CharTokenizer
     from hpcrl.engines.batch import pack, response_logprobs
@@ -61,7 +65,7 @@ def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path):
     from hpcrl.engines.vllm_engine import VLLMEngine
 
     tokenizer = CharTokenizer()
-    files = random_files(load_job(REPO / "jobs" / "tiny_grpo.yaml"), tokenizer, tmp_path)   # vLLM loads these itself
+    files = random_files(load_job(REPO / "jobs" / "tiny_grpo.yaml", model), tokenizer, tmp_path)   # vLLM loads these
     model = load_full(files, torch.float32)
     engine = VLLMEngine(files.path, torch.float32, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2,
                         enforce_eager=True)
@@ -73,3 +77,8 @@ def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path):
     for i, (response, row) in enumerate(zip(out.response_ids, out.logprobs)):
         assert tokenizer.eos_token_id not in response[:-1]
         assert torch.allclose(full[i, : len(row)], torch.from_numpy(row), atol=1e-3)
+    engine.load_weights([(name, p.detach().cuda()) for name, p in model.named_parameters()])
+    engine.weights_loaded()
+    again = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0),
+                            budgets=np.array([6, 2, 0] * 4))
+    assert [r.tolist() for r in again.response_ids] == [r.tolist() for r in out.response_ids]

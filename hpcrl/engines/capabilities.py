@@ -40,6 +40,13 @@ class ModelDims:
     num_layers: int
     num_experts: int = 0   # routed experts per MoE layer; 0: a dense model
 
+    @classmethod
+    def from_hf(cls, config) -> ModelDims:
+        """From a Hugging Face config (what an engine builds from)."""
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        return cls(config.num_attention_heads, config.num_key_value_heads, config.vocab_size,
+                   config.num_hidden_layers, int(experts))
+
 
 def role_refusals(role: str, engine: str) -> list[str]:
     """Why `role` cannot run at all, or not on `engine` (empty when it can)."""
@@ -62,10 +69,6 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
             out.append(f"roles.{role}.parallel.{axis}: {axis} = {size}, but {reason}")
     if dims is None:
         return out
-    if dims.num_experts and engine == "vllm":
-        out.append(f"roles.{role}.engine: vllm: the weight sync sends transformers' fused expert tensors "
-                   "(mlp.experts.gate_up_proj), which vLLM's loader does not take; use engine native for a "
-                   "mixture-of-experts model")
     tp, pp, ep = sizes["tp"], sizes["pp"], sizes["ep"]
     if ep > 1 and engine == "megatron":
         dp_cp = int(parallel.get("dp", 1)) * sizes["cp"]

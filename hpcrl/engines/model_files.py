@@ -11,7 +11,6 @@ import copy
 import json
 import math
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +19,12 @@ import torch
 from safetensors import safe_open
 
 from hpcrl.config.job import JobConfig, ModelConfig
+from hpcrl.engines.expert_layout import FUSED_EXPERTS, HUB_PARTS, hub_tensors
 from hpcrl.engines.hf_model import DTYPES, random_model
 
 INIT_DIR = "model-init"
 _INIT_STAMP = "hpcrl-init.json"
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
-_FUSED_EXPERTS = re.compile(r"(.*\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 VALUE_HEAD = ("score.weight", "score.bias")   # a critic's head (transformers' *ForTokenClassification, one label)
 
 
@@ -65,12 +64,11 @@ class ModelFiles:
         `...down_proj`: each expert's down projection), as transformers' conversion mapping merges
         them on load: Qwen-MoE's `mlp.experts.E.{gate,up,down}_proj.weight`, Mixtral's
         `block_sparse_moe.experts.E.{w1,w3,w2}.weight`. None when `name` is not one of them."""
-        match = _FUSED_EXPERTS.fullmatch(name)
+        match = FUSED_EXPERTS.fullmatch(name)
         if match is None:
             return None
         layer, fused = match.groups()
-        for module, parts in (("mlp", {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}),
-                              ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)})):
+        for module, parts in HUB_PARTS.items():
             experts: list[list[str]] = []
             while (names := [f"{layer}.{module}.experts.{len(experts)}.{part}.weight" for part in parts[fused]]
                    )[0] in self._where:
@@ -172,14 +170,16 @@ def write_random_init(job: JobConfig, tokenizer, run_dir: Path) -> Path:
 
 def save_model(model: torch.nn.Module, path: Path) -> Path:
     """`model` as a HF directory (config.json + one safetensors file; a tied head is stored once,
-    as HF stores it) that every engine, vLLM and transformers can load."""
+    as HF stores it; experts one tensor each, as the hub stores them) that every engine, vLLM and
+    transformers can load."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.config.architectures = [type(model).__name__]   # vLLM picks its model class by this
     model.config.save_pretrained(path)
-    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    tensors = {name: t.detach().contiguous()
+               for name, t in hub_tensors(model.named_parameters(), model.config.model_type)}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
 

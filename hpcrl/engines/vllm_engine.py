@@ -29,7 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpcrl.engines.capabilities import ModelDims, parallel_refusals
 from hpcrl.engines.digests import tensor_digests
+from hpcrl.engines.expert_layout import hub_tensors
 from hpcrl.engines.native_sampler import Generation, SamplingParams
 from hpcrl.ragged import Ragged
 
@@ -91,9 +93,10 @@ def sampled_tokens(completion) -> tuple[list[int], list[float]]:
     return ids, [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
 
 
-def _load_into_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside each vLLM worker (collective_rpc): the model's own HF-name loader."""
-    worker.model_runner.get_model().load_weights(weights=weights)
+def _load_into_worker(worker, weights: list[tuple[str, torch.Tensor]], model_type: str) -> None:
+    """Runs inside each vLLM worker (collective_rpc): the model's own loader, which takes a hub
+    checkpoint's names (a MoE layer's experts one tensor each)."""
+    worker.model_runner.get_model().load_weights(weights=hub_tensors(weights, model_type))
 
 
 def _join_weight_groups(worker, groups: list[dict]) -> None:
@@ -110,9 +113,10 @@ def _join_weight_groups(worker, groups: list[dict]) -> None:
         for g in groups]
 
 
-def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool) -> list[tuple[str, str]]:
+def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool, model_type: str) -> list[tuple[str, str]]:
     """Runs inside each vLLM worker: every stage's buckets from its communicator, on this worker's
-    own device, each loaded as it lands; returns the tensors' digests when asked."""
+    own device, each loaded as it lands (in the hub's layout); returns the digests of the tensors
+    as sent when asked."""
     model = worker.model_runner.get_model()
     stream = torch.cuda.current_stream()
     digests: list[tuple[str, str]] = []
@@ -127,7 +131,7 @@ def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool) -> list[
                 count = torch.Size(shape).numel()
                 tensors.append((name, flat[start:start + count].view(shape)))
                 start += count
-            model.load_weights(weights=tensors)
+            model.load_weights(weights=hub_tensors(tensors, model_type))
             if digest:
                 digests += tensor_digests(tensors)
     return digests
@@ -160,6 +164,10 @@ class VLLMEngine:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        refused = parallel_refusals("actor_infer", "vllm", {"tp": tensor_parallel_size}, ModelDims.from_hf(config))
+        if refused:   # the plan refuses these first, from the same table
+            raise ValueError("; ".join(refused))
+        self.model_type = config.model_type
         self.llm = vllm.LLM(**llm_kwargs(str(model_dir), tensor_parallel_size, dtype, seed, gpu_memory_utilization,
                                          config.max_position_embeddings, enforce_eager, filtered_sampling,
                                          max_num_seqs))
@@ -208,7 +216,7 @@ class VLLMEngine:
         """Hand host tensors to every worker (pickled through collective_rpc): the sync's buckets
         when rollout shares its GPUs with the trainer. Each is cloned: a view
         would pickle the whole receive buffer it lies in."""
-        self.llm.collective_rpc(_load_into_worker, args=([(name, t.clone()) for name, t in weights],))
+        self.llm.collective_rpc(_load_into_worker, args=([(name, t.clone()) for name, t in weights], self.model_type))
 
     def weights_loaded(self) -> None:
         """After the last bucket of a sync: cached KV blocks were computed with the old weights."""
@@ -221,7 +229,7 @@ class VLLMEngine:
 
     def receive_pushed(self, plans: list[list[Meta]], digest: bool) -> list[tuple[str, str]]:
         """Receive one sync (every stage's bucket plan, in stage order) straight into the workers."""
-        digests = self.llm.collective_rpc(_receive_into_worker, args=(plans, digest))[0]
+        digests = self.llm.collective_rpc(_receive_into_worker, args=(plans, digest, self.model_type))[0]
         self.weights_loaded()
         return digests
 

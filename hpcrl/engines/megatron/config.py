@@ -91,9 +91,7 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
     shape = GPTShape.from_hf(hf_config)
     tp, pp, cp, ep = (parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
     # the plan refuses these first, from the same table
-    refused = parallel_refusals("<role>", "megatron", parallel,
-                                ModelDims(shape.num_heads, shape.num_kv_heads, hf_config.vocab_size, shape.num_layers,
-                                          shape.num_experts))
+    refused = parallel_refusals("<role>", "megatron", parallel, ModelDims.from_hf(hf_config))
     if refused:
         raise ValueError("; ".join(refused))
     return dict(
