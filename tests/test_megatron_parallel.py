@@ -4,7 +4,8 @@ Rank 0 plays the controller (in no role, like the runtime's rank 0), ranks 1-2 (
 Megatron role, so the groups are those of a sub-world. One MPI run goes through the layouts — TP=2,
 PP=2 (tied embeddings), DP=2 with the distributed optimizer, and mixture-of-experts models with
 expert parallelism: EP=2 (Qwen2-MoE, shared expert), TP=2 x EP=2 (Qwen3-MoE, q/k norms; sequence
-parallel), EP=4 (Mixtral) — and in each compares the engine with the HF model and the torch engine
+parallel), EP=4 (Mixtral), EP=2 x PP=2, EP=2 over DP=4 (experts replicated over expert DP) — and in
+each compares the engine with the HF model and the torch engine
 on the same weights and data: log-probabilities (on the last pipeline stage), the weights gathered
 back to HF names (TP 2 -> 1 and every EP rank's experts on each stage's leader, the stages
 together), and two PPO optimizer steps (weights, and the gradient norm: a global figure also with DP).
@@ -31,6 +32,8 @@ LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings, the role's world 
     "ep2": ({"ep": 2}, "qwen2_moe", False, [1, 2]),
     "tp2ep2": ({"tp": 2, "ep": 2}, "qwen3_moe", False, [1, 2, 3, 4]),
     "ep4": ({"ep": 4}, "mixtral", True, [1, 2, 3, 4]),
+    "ep2pp2": ({"ep": 2, "pp": 2}, "qwen2_moe", False, [1, 2, 3, 4]),   # experts gathered per stage
+    "ep2dp4": ({"ep": 2}, "qwen3_moe", True, [1, 2, 3, 4]),   # two expert-DP replicas of each expert
 }
 MOE = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 16}
 

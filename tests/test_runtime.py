@@ -111,6 +111,10 @@ LAYOUTS = {  # name -> (overrides, trainer replicas, rollout ranks that load wei
                            "--set", "roles.actor_train.parallel.dp=1", *COLOCATED], 1, 4),
     "tp2-separate": (["--set", "roles.actor_train.parallel.tp=2", "--set", "roles.actor_train.parallel.dp=1"], 1, 1),
     "pp2-separate": (["--set", "roles.actor_train.parallel.pp=2", "--set", "roles.actor_train.parallel.dp=1"], 1, 1),
+    # a MoE model's experts split over 2 EP ranks that are also TP ranks (sequence parallel): one
+    # whole replica, gathered from both EP ranks, reaches the 4 colocated rollout ranks
+    "tp2-ep2-moe-colocated": (["--set", "roles.actor_train.parallel.tp=2", "--set", "roles.actor_train.parallel.ep=2",
+                               "--set", "model.arch=qwen2_moe", "--set", "model.num_experts=4", *COLOCATED], 1, 4),
 }
 
 
@@ -131,6 +135,24 @@ def test_every_rollout_rank_generates_with_the_weights_of_a_tp_pp_megatron_train
         assert m["rollout_logprob_gap_max"] < 1e-5, m["rollout_logprob_gap_max"]
         assert len(m["digest_actor_train"]) == replicas and len(m["digest_actor_infer"]) == loaders
         assert set(m["digest_actor_infer"]) == set(m["digest_actor_train"]), "every rank holds the trained weights"
+    assert len({m["digest_actor_train"][0] for m in metrics}) == 3, "the weights change every step"
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_a_context_parallel_trainer_trains_inside_the_runtime_with_rollouts_log_probs(tmp_path, fsdp):
+    """torch engine, cp=2 x dp=2 (reference and rollout colocated, on copies of the weights): each
+    replica's 2 cp ranks get its share of the batch, and fresh samples' log-probs on the 4 rollout
+    ranks are the trainer's."""
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=3", *FAST,
+                   "--set", "roles.actor_train.parallel.cp=2", "--set", f"roles.actor_train.fsdp={str(fsdp).lower()}",
+                   "--set", f"roles.reference.fsdp={str(fsdp).lower()}", "--set", "log.check_weights=true",
+                   "--set", "checkpoint.every=0", *COLOCATED, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert m["rollout_logprob_gap_max"] < 1e-5, m["rollout_logprob_gap_max"]
+        assert len(m["digest_actor_train"]) == 2 and len(m["digest_actor_infer"]) == 4 and set(m["digest_actor_infer"]) == set(m["digest_actor_train"])
     assert len({m["digest_actor_train"][0] for m in metrics}) == 3, "the weights change every step"
 
 
