@@ -3,7 +3,8 @@
 A Qwen2-shaped model of ~300M parameters (random weights written once to safetensors in a
 temporary directory and loaded through `model.path`, as a real checkpoint is) is trained for one
 step on CPU ranks (gloo) by each engine layout: torch dp=1, torch/FSDP2 dp=2, DeepSpeed ZeRO-3
-dp=1 and dp=2, Megatron tp=2. Each rank measures its resident memory (Linux VmRSS, and the peak VmHWM,
+dp=1 and dp=2, Megatron tp=2; on request (--engines) Megatron dp=2 and ep=2 of a Qwen2-MoE model
+(--experts), and torch with cp=2. Each rank measures its resident memory (Linux VmRSS, and the peak VmHWM,
 reset between phases through /proc/self/clear_refs) above the process baseline taken after the
 imports, before any model is built:
 
@@ -22,6 +23,8 @@ fp32 weights, so it holds 20 bytes per parameter where torch holds 16; `--dtype 
 layout jobs run (bf16 weights and gradients, fp32 masters and Adam state in every engine).
 
     python bench/memory.py [--dtype bfloat16] [--layers 24] [--samples 4] [--prompt 96] [--response 32] [--micro 2]
+    python bench/memory.py --experts 8 --layers 8 --engines "megatron dp2" "megatron ep2"
+    python bench/memory.py --prompt 1024 --response 1024 --micro 1 --engines "torch dp1" "torch cp2"
     python bench/memory.py probe --engine torch --model-dir D --json OUT [--set key=value ...]
         (one measurement; under mpiexec for dp or tp > 1; used by tests/test_memory_estimate.py)
 """
@@ -49,7 +52,15 @@ ENGINES = {  # name -> (job overrides, ranks)
                    "roles.actor_train.parallel.dp=2"], 2),
     "megatron tp2": (["roles.actor_train.engine=megatron", "roles.actor_train.parallel.tp=2",
                       "roles.actor_train.parallel.dp=1"], 2),
+    # a mixture-of-experts model (--experts): experts replicated over 2 DP ranks, or split over 2 EP ranks
+    "megatron dp2": (["roles.actor_train.engine=megatron", "roles.actor_train.parallel.dp=2"], 2),
+    "megatron ep2": (["roles.actor_train.engine=megatron", "roles.actor_train.parallel.ep=2",
+                      "roles.actor_train.parallel.dp=2"], 2),
+    # each sequence's positions split over 2 ranks (context parallelism), against torch dp1
+    "torch cp2": (["roles.actor_train.engine=torch", "roles.actor_train.parallel.cp=2",
+                   "roles.actor_train.parallel.dp=1"], 2),
 }
+DEFAULT_ENGINES = ["torch dp1", "fsdp2 dp2", "zero3 dp1", "zero3 dp2", "megatron tp2"]
 
 
 # glibc serves allocations below its mmap threshold from the heap and keeps what is freed there;
@@ -130,7 +141,7 @@ def probe(args: argparse.Namespace) -> None:
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml", [f"model.path={args.model_dir}", *args.set])
     role = job.roles.actor_train
     engine_name = job.engine("actor_train")
-    ranks = role.parallel.dp * role.parallel.tp * role.parallel.pp
+    ranks = role.parallel.dp * role.parallel.tp * role.parallel.pp * role.parallel.cp
     distributed = ranks > 1 or engine_name == "deepspeed"   # DeepSpeed needs a group, also of one rank
     world = 1
     if distributed:
@@ -159,8 +170,7 @@ def probe(args: argparse.Namespace) -> None:
         from hpcrl.engines.megatron.engine import MegatronTrainer
         from hpcrl.engines.megatron.groups import new_role_groups, role_rank_groups
 
-        groups = new_role_groups(role_rank_groups({"tp": role.parallel.tp, "pp": role.parallel.pp}, list(range(world))),
-                                 rank)
+        groups = new_role_groups(role_rank_groups(role.parallel.model_dump(), list(range(world))), rank)
         engine = MegatronTrainer(files, job, tokenizer.pad_token_id, groups)
         local = sum(p.numel() * p.element_size() for p in engine.gpt.parameters())
     elif engine_name == "deepspeed":
@@ -173,7 +183,9 @@ def probe(args: argparse.Namespace) -> None:
 
         from hpcrl.engines.torch_trainer import TorchTrainer
 
-        engine = TorchTrainer(files, job, tokenizer.pad_token_id, group, fsdp=role.fsdp)
+        context = (group, group) if role.parallel.cp > 1 else None   # cp over every rank (dp = 1)
+        engine = TorchTrainer(files, job, tokenizer.pad_token_id, None if context else group, fsdp=role.fsdp,
+                              context_groups=context)
         local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() * q.element_size()
                     for q in engine.module.parameters())
     startup_s = time.perf_counter() - started
@@ -248,16 +260,22 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2, help="train.micro_batch_size")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="model.dtype: bfloat16 computes in bf16 over fp32 master weights")
-    parser.add_argument("--engines", nargs="*", default=list(ENGINES))
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen2-MoE model with this many experts (top-2, "
+                        "each expert --intermediate / 2 wide)")
+    parser.add_argument("--engines", nargs="*", default=DEFAULT_ENGINES, choices=list(ENGINES))
     args = parser.parse_args()
     overrides = model_overrides(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab,
                                 args.prompt + args.response)
+    # the expert sizes build the model; the ranks read them from its config.json (model.path)
+    experts = ([f"model.num_experts={args.experts}", f"model.moe_intermediate_size={args.intermediate // 2}"]
+               if args.experts else [])
+    overrides += ["model.arch=qwen2_moe"] if args.experts else []
     overrides += [f"model.dtype={args.dtype}", f"train.micro_batch_size={args.micro}",
                   f"rollout.max_new_tokens={args.response}",
                   f"train.prompts_per_step={args.samples}", "algorithm.group_size=1", "train.minibatches=1",
                   "train.ppo_epochs=1", "algorithm.kl_loss.coef=0"]
     with tempfile.TemporaryDirectory(prefix="hpcrl-memory-") as tmp:
-        model_dir = write_model(overrides, Path(tmp))
+        model_dir = write_model(overrides + experts, Path(tmp))
         rows = {}
         for engine in args.engines:
             rows[engine] = measure(engine, model_dir, overrides, args)
@@ -278,10 +296,15 @@ def main() -> None:
     unit = rows[args.engines[0]][0]
     print(f"(excess: start-up peak above what the engine holds once built; the largest unit loaded whole is "
           f"{unit['largest_unit'] / GIB:.2f} GB, a decoder layer {unit['layer'] / GIB:.3f} GB)")
-    for sharded, whole in (("fsdp2 dp2", "torch dp1"), ("zero3 dp2", "zero3 dp1")):
+    for sharded, whole in (("fsdp2 dp2", "torch dp1"), ("zero3 dp2", "zero3 dp1"), ("megatron ep2", "megatron dp2")):
         if whole in rows and sharded in rows:
             ratio = max(f["held"] for f in rows[sharded]) / rows[whole][0]["held"]
             print(f"{sharded} holds {ratio:.2f}x of {whole}'s state per rank (weights, gradients, optimizer)")
+    if "torch cp2" in rows and "torch dp1" in rows:
+        def activations(found):   # what a step adds to the held state, on the worst rank
+            return max(f["step_peak"] - f["held"] for f in found)
+        print(f"torch cp2 adds {activations(rows['torch cp2']) / activations(rows['torch dp1']):.2f}x of torch dp1's "
+              f"step memory above the held state per rank (activations and logits)")
     print("\nthe estimate's parts (GB) for each layout:")
     for engine, found in rows.items():
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in found[0]["estimate_parts"].items() if v)
