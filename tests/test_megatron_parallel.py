@@ -68,6 +68,9 @@ def test_two_ppo_steps_match_the_torch_engine(findings, layout):
     assert found["trained_weights_max_diff"] < 2e-5, found
     assert found["weights_changed"] > 1e-4
     assert abs(found["metrics"]["grad_norm"] - found["reference_metrics"]["grad_norm"]) < 1e-5, found
+    if LAYOUTS[layout][1] in ("qwen2_moe", "qwen3_moe", "mixtral"):   # the routing, counted over every rank
+        for key in ("moe_load_max", "moe_load_min"):
+            assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-6, (key, found)
     if layout in ("tp2", "pp2"):  # with DP each replica reports its own shard's loss
         for key in ("loss", "entropy", "kl_loss", "clipfrac", "grad_norm"):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-4, (key, found)

@@ -239,15 +239,17 @@ def test_the_report_plots_reward_by_domain_and_evaluation_and_prints_the_last_ev
     with (tmp_path / "metrics.jsonl").open("w") as out:
         for step in range(1, 21):
             record = {"step": step, "reward_mean": step / 20, "reward_mean/math": step / 20,
-                      "reward_mean/code": 0.1}
+                      "reward_mean/code": 0.1, "moe_load_max": 1.5, "moe_load_min": 0.5}
             if step % 10 == 0:
                 record.update({"eval/math/greedy_reward": step / 25, "eval/math/pass@4": step / 22})
             out.write(json.dumps(record) + "\n")
     assert report_main(str(tmp_path)) == 0
     assert (tmp_path / "report.png").stat().st_size > 10_000
     assert "eval/math/greedy_reward  0.8 (step 20)" in capsys.readouterr().out
-    from hpcrl.metrics.report import _domain_panels, by_step, read_metrics
+    from hpcrl.metrics.report import _multi_curve_panels, by_step, read_metrics
 
-    panels = dict((label, keys) for keys, label in _domain_panels(by_step(read_metrics(tmp_path / "metrics.jsonl"))))
+    records = by_step(read_metrics(tmp_path / "metrics.jsonl"))
+    panels = dict((label, keys) for keys, label in _multi_curve_panels(records))
     assert panels == {"reward by domain": ["reward_mean/math", "reward_mean/code"],
-                      "evaluation": ["eval/math/greedy_reward", "eval/math/pass@4"]}
+                      "evaluation": ["eval/math/greedy_reward", "eval/math/pass@4"],
+                      "expert load (1: balanced)": ["moe_load_max", "moe_load_min"]}

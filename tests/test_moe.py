@@ -91,6 +91,8 @@ def test_grpo_trains_a_moe_model_end_to_end_and_its_experts_reach_rollout_and_th
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor([m["loss"], m["entropy"], m["kl"]])).all() for m in metrics)
+    # where the router sent the step's tokens: the most loaded expert above a balanced share, the least below
+    assert all(m["moe_load_max"] >= 1 >= m["moe_load_min"] >= 0 for m in metrics)
     # rollout loaded what the trainer staged, experts included (a mismatch would have failed the run)
     assert set(metrics[-1]["digest_actor_infer"]) == set(metrics[-1]["digest_actor_train"])
     exported = hpcrl("export", str(run_dir), "--out", str(out), timeout=300)

@@ -140,6 +140,13 @@ def left_padded(batch: dict[str, torch.Tensor], width: int) -> dict[str, torch.T
     return widened
 
 
+def local_columns_of(batch: dict[str, torch.Tensor], name: str, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's columns of `batch[name]` ([N, width]), as `response_outputs` runs them."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    batch = left_padded(batch, padded_width(batch["input_ids"].shape[1], cp))
+    return batch[name][:, local_columns(batch[name].shape[1], cp, rank).to(batch[name].device)]
+
+
 def response_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: dist.ProcessGroup
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's outputs [N, k, out] at this rank's columns that predict response tokens, the

@@ -11,6 +11,7 @@ FSDP2 shards over the DP x CP ranks.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
-from hpcrl.engines import context_parallel
+from hpcrl.engines import context_parallel, expert_load
 from hpcrl.engines.batch import chunked_token_stats, pack, response_logprobs, response_values, right_pad, unpad
+from hpcrl.engines.expert_load import ExpertLoad
 from hpcrl.engines.fsdp import load_sharded
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.lr_schedule import set_learning_rate
@@ -85,6 +87,9 @@ class TorchTrainer:
 
     cp_group: dist.ProcessGroup | None = None      # context parallelism (None: each rank runs whole rows)
     dp_cp_group: dist.ProcessGroup | None = None
+    _expert_load: ExpertLoad | None = None   # a MoE model's routing, counted while a train step runs
+    _keep: torch.Tensor | None = None        # the real tokens of the training forward under way
+    _router_shape: tuple[int, int] = (0, 0)  # (MoE layers, experts per layer); (0, 0): a dense model
 
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
                  device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False,
@@ -120,6 +125,7 @@ class TorchTrainer:
         self._host: Saved = []      # host copies of the offloaded state, kept for the next offload
         self._away = False
         if trainable:
+            self._count_routing(model)
             if job.train.recompute:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -131,6 +137,24 @@ class TorchTrainer:
     def _master_dtype(self) -> torch.dtype:
         """fp32 weights for a trainable role (the optimizer updates them), the job's dtype otherwise."""
         return torch.float32 if self.trainable else self.compute_dtype
+
+    def _count_routing(self, model: torch.nn.Module) -> None:
+        """Hooks on a MoE model's routers (transformers' TopKRouter: logits, weights, expert indices)
+        that count, during a train step's forwards, where its real tokens go (hpcrl.engines.expert_load).
+        A recomputed forward (train.recompute) finds no tokens to count: `_keep` is cleared by then."""
+        routers = []
+        for layer in getattr(getattr(model, "model", None), "layers", []):
+            router = getattr(getattr(layer, "mlp", None), "gate", None)
+            if hasattr(router, "top_k"):
+                routers.append(router)
+
+        def count(index: int, router: torch.nn.Module, inputs, output) -> None:
+            if self._expert_load is not None and self._keep is not None:
+                self._expert_load.add(index, expert_load.one_hot(output[2], router.num_experts, self._keep))
+
+        for index, router in enumerate(routers):
+            router.register_forward_hook(functools.partial(count, index))
+        self._router_shape = len(routers), (routers[0].num_experts if routers else 0)
 
     @property
     def _weights_group(self) -> dist.ProcessGroup | None:
@@ -240,6 +264,8 @@ class TorchTrainer:
             raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
         cut = micro_batching(train)
         history: dict[str, list[float]] = {}
+        layers, experts = self._router_shape
+        self._expert_load = ExpertLoad(layers, experts, self.device) if layers else None
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
@@ -264,7 +290,11 @@ class TorchTrainer:
                     metrics["grad_norm"] = grad_norm
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))
-        return {key: sum(values) / len(values) for key, values in history.items()}
+        metrics = {key: sum(values) / len(values) for key, values in history.items()}
+        if self._expert_load is not None:
+            metrics.update(self._expert_load.metrics(self._weights_group))
+            self._expert_load = None
+        return metrics
 
     def _micro_loss(self, batch: dict[str, torch.Tensor], columns: dict[str, torch.Tensor], first: bool,
                     tokens: float, sequences: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -273,7 +303,10 @@ class TorchTrainer:
             return value_objective(self._values(batch), columns, batch["response_mask"], self.job, tokens, sequences)
         # without an entropy bonus the entropy is only logged, on the first micro-batch's tokens
         bonus = self.job.algorithm.entropy_coef > 0
+        self._keep = (batch["attention_mask"] if self.cp_group is None
+                      else context_parallel.local_columns_of(batch, "attention_mask", self.cp_group)).reshape(-1)
         logp, entropy = self._forward(batch, with_entropy=bonus or first)
+        self._keep = None
         if entropy is not None and not bonus:
             entropy = entropy.detach()
         return policy_objective(logp, entropy, columns, batch["response_mask"], self.job, tokens, sequences)

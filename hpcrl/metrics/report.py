@@ -141,8 +141,9 @@ def domain_keys(records: Sequence[dict[str, Any]], prefix: str, suffix: str = ""
     return list(keys)
 
 
-def _domain_panels(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], str]]:
-    """Panels of several curves: the reward per domain (when there are several) and the evaluation."""
+def _multi_curve_panels(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], str]]:
+    """Panels of several curves: the reward per domain (when there are several), the evaluation, and
+    a MoE model's expert load (the most and the least loaded expert, over a balanced one's)."""
     panels = []
     per_domain = domain_keys(records, "reward_mean/")
     if len(per_domain) > 1:
@@ -151,17 +152,20 @@ def _domain_panels(records: Sequence[dict[str, Any]]) -> list[tuple[list[str], s
                                                               if "/pass@" in k and not k.endswith("@1")]
     if evaluation:
         panels.append((evaluation, "evaluation"))
+    load = [key for key in ("moe_load_max", "moe_load_min") if series(records, key)[0]]
+    if load:
+        panels.append((load, "expert load (1: balanced)"))
     return panels
 
 
 def plot_report(records: Sequence[dict[str, Any]], png: Path, title: str = "") -> Path:
-    """Draw reward_mean (raw, rolling mean, ±std band), the reward per domain and the evaluation
-    curves when the run has them, and the kl / loss / samples/s panels."""
+    """Draw reward_mean (raw, rolling mean, ±std band), the reward per domain, the evaluation and
+    the expert load curves when the run has them, and the kl / loss / samples/s panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     records = by_step(records)
-    curves = _domain_panels(records)
+    curves = _multi_curve_panels(records)
     panels = [(k, label) for k, label in PANELS if series(records, k)[0]]
     panels = [([key], label) for key, label in panels]
     panels = curves + panels

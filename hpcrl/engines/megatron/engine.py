@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import unpad
 from hpcrl.engines.hf_model import DTYPES
+from hpcrl.engines.expert_load import ExpertLoad
 from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.megatron.cpu_shim import on_cpu_shim
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
@@ -66,6 +67,8 @@ class MegatronTrainer:
                                         p2p_communicator=P2PCommunicator(self.pgc.pp, self.config),
                                         pg_collection=self.pgc)
         self.optimizer = None
+        self._expert_load: ExpertLoad | None = None   # a MoE model's routing, counted while a train step runs
+        self._keep: torch.Tensor | None = None        # the real tokens of the training forward under way
         self._host: list = []   # host copies of the offloaded state, kept for the next offload
         self._away = False
         if not trainable:
@@ -73,6 +76,7 @@ class MegatronTrainer:
             self.model.requires_grad_(False)
             self.model.eval()
             return
+        self._count_routing()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.model = DistributedDataParallel(self.config, ddp_config, self.model, pg_collection=self.pgc)
         load_gpt_weights(self.gpt, files, self.pgc)   # into DDP's buffer, before the optimizer copies fp32 masters
@@ -127,12 +131,36 @@ class MegatronTrainer:
             mb = next(data_iterator)
             length = mb["tokens"].shape[1]
             positions = torch.arange(length, device=self.device).expand_as(mb["tokens"])
+            self._keep = self._routed_tokens(mb["token_mask"]) if not forward_only else None
             output = model(mb["tokens"], positions, causal_mask(length, self.device))
+            self._keep = None
             return output, partial(loss_func, mb)
 
         return self.forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
                                      num_microbatches=len(batches), seq_length=batches[0]["tokens"].shape[1],
                                      micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
+
+    def _routed_tokens(self, token_mask: torch.Tensor) -> torch.Tensor:
+        """Which of the tokens a router of this rank sees are real: megatron runs [L, N] (sequence
+        first), each TP rank its chunk of the positions under sequence parallelism."""
+        by_position = token_mask.t()
+        if self.config.sequence_parallel:
+            by_position = by_position.chunk(self.pgc.tp.size())[self.pgc.tp.rank()]
+        return by_position.reshape(-1)
+
+    def _count_routing(self) -> None:
+        """Hooks on the MoE routers (probs, routing map [tokens, experts]) that count, during a
+        train step's forwards, where the real tokens go (hpcrl.engines.expert_load); a recomputed
+        forward finds `_keep` cleared."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        def count(router, inputs, output) -> None:
+            if self._expert_load is not None and self._keep is not None:
+                self._expert_load.add(router.layer_number - 1, output[1] * self._keep.reshape(-1, 1))
+
+        for module in self.gpt.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(count)
 
     def _response_logprobs(self, mb: dict[str, torch.Tensor], logits: torch.Tensor,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -193,6 +221,8 @@ class MegatronTrainer:
             raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
         self.model.train()
         history: dict[str, list[float]] = {}
+        experts = self.config.num_moe_experts
+        self._expert_load = ExpertLoad(self.config.num_layers, experts, self.device) if experts else None
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
@@ -216,7 +246,13 @@ class MegatronTrainer:
                     metrics["grad_norm"] = float(grad_norm)
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(value)
-        return {key: sum(values) / len(values) for key, values in history.items()}
+        metrics = {key: sum(values) / len(values) for key, values in history.items()}
+        if self._expert_load is not None:   # collective over the role; reported with the loss, on the last stage
+            load = self._expert_load.metrics(self.pgc.intra_dist_opt)
+            self._expert_load = None
+            if self._last_stage:
+                metrics.update(load)
+        return metrics
 
     # ---- weights ---------------------------------------------------------------------------------------------------
 

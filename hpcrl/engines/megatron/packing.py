@@ -18,8 +18,9 @@ from hpcrl.ragged import Ragged
 
 def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Ragged] | None = None,
          width: int | None = None, resp_width: int | None = None, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """tokens/targets [N, L], the positions predicting each response token `index` [N, R], the
-    response mask [N, R], and the per-token `columns` right-padded to [N, R] (0 on padding).
+    """tokens/targets [N, L], the real tokens' mask `token_mask` [N, L], the positions predicting each
+    response token `index` [N, R], the response mask [N, R], and the per-token `columns`
+    right-padded to [N, R] (0 on padding).
     L and R default to the longest row's; pipeline stages exchange fixed shapes, so with pp > 1
     every micro-batch of a step is packed to the same `width` and `resp_width`. L is rounded up to
     a `multiple` (tp: sequence parallelism splits the positions evenly over the TP ranks)."""
@@ -31,6 +32,7 @@ def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Rag
     # logits at position t predict token t + 1: response token j is predicted at len(prompt) - 1 + j
     index = torch.from_numpy(np.minimum(prompt_lengths[:, None] - 1 + np.arange(resp_width)[None], width - 1))
     packed = {"tokens": tokens[:, :width], "targets": tokens[:, 1:], "index": index,
+              "token_mask": length_mask(rows.lengths, torch.bool, width),
               "response_mask": length_mask(responses.lengths, width=resp_width)}
     for name, values in (columns or {}).items():
         packed[name] = right_pad(values, 0.0, torch.float32, resp_width)
