@@ -4,7 +4,8 @@ controller), the role on ranks 1-4 with cp=2 x dp=2, with DDP and with FSDP2.
 Each cp rank runs its load-balanced share of the positions and gathers the others' keys and values;
 the results must be the engine's without cp, on the same weights and samples: log-probabilities
 of long sequences and a critic's values (1e-5), and two PPO steps (GRPO's per-sequence loss mean,
-DDP over the 4 ranks) that end at the same weights, loss and gradient norm. One batch has responses
+DDP over the 4 ranks) that end at the weights, loss and gradient norm of the engine without cp on
+the same DP shards (with Qwen3-MoE's load-balancing loss, whose statistics sum over the cp ranks). One batch has responses
 of one token after long prompts, so that a cp rank holds no position that predicts a response
 token (its backward must still take part in the others' gathers); it is trained on first. Run as a script (by the
 fixture) it is the MPI program; rank 0 writes the findings as JSON.
@@ -38,6 +39,13 @@ def test_logprobs_of_long_sequences_with_cp2_equal_the_engine_without_cp(finding
     assert findings[variant]["short_logprob_max_diff"] < 1e-5, "a cp rank without response positions"
 
 
+def test_the_load_balancing_loss_with_cp2_gives_the_gradient_without_cp(findings):
+    """Weight 0.5, one micro-batch of long prompts and one-token responses: every parameter's
+    gradient within 1e-6 of the engine's without cp. (Trained weights would not show it: the loss
+    gives prompt tokens' embeddings gradients near 1e-7, which Adam's first steps scale up to lr.)"""
+    assert findings["qwen3_moe"]["aux_grad_max_diff"] < 1e-6
+
+
 def test_a_critics_values_with_cp2_equal_the_engine_without_cp(findings):
     assert findings["qwen2"]["value_max_diff"] < 1e-5
 
@@ -48,9 +56,10 @@ def test_two_ppo_steps_with_cp2_and_dp2_match_the_engine_without_cp(findings, va
     dp_shard x cp)."""
     found = findings[variant]
     assert found["trained_weights_max_diff"] < 2e-5 and found["weights_changed"] > 1e-4, found
-    # the replicas' loss estimates average to the whole minibatch's loss; the gradient norm and the
-    # routing of a MoE model's tokens (counted over every rank) are global
-    for key in ("loss", "grad_norm") + (("moe_load_max", "moe_load_min") if variant == "qwen3_moe" else ()):
+    # the same loss per replica and gradient norm; a MoE model's routing counted over every rank, and
+    # its load-balancing loss (weight 0 here) summed over each micro-batch's cp ranks first
+    moe = ("moe_load_max", "moe_load_min", "moe_aux_loss") if variant == "qwen3_moe" else ()
+    for key in ("loss", "grad_norm") + moe:
         assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-5, (key, found)
 
 
@@ -61,15 +70,16 @@ ROLE = [1, 2, 3, 4]
 PLAN = {"cp": [[1, 2], [3, 4]], "dp": [[1, 3], [2, 4]]}
 
 
-def _job(arch: str):
+def _job(arch: str, aux: float = 0.0):
     from hpcrl.config.job import JobConfig
 
     experts = {"num_experts": 4, "moe_intermediate_size": 16} if arch == "qwen3_moe" else {}
+    balance = {"moe_aux_loss_coef": aux} if aux else {}
     return JobConfig.model_validate({
         "name": "cp-test", "task": {"name": "addition"},
         "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 48, "max_position_embeddings": 128, **experts},
-        "algorithm": {"name": "grpo", "entropy_coef": 0.01},
+        "algorithm": {"name": "grpo", "entropy_coef": 0.01, **balance},
         "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0},
         "rollout": {"temperature": 0.9},
         "roles": {"actor_train": {"parallel": {"cp": 2, "dp": 2}}, "actor_infer": {}},
@@ -143,15 +153,42 @@ def _variant(arch: str, fsdp: bool, rank: int, groups: dict, context_groups) -> 
             critic_cp.module.score.weight.copy_(critic.module.score.weight)
         found["value_max_diff"] = _max_diff(critic_cp.values(samples.prompt_ids, samples.response_ids),
                                             critic.values(samples.prompt_ids, samples.response_ids))
-    before = {n: t.clone() for n, t in reference.named_weights()}
-    engine.train_step(_half(short, groups["dp_index"]), job.train.lr)   # a cp rank's backward with nothing to predict
-    reference.train_step(short, job.train.lr)
-    found["metrics"] = engine.train_step(_half(samples, groups["dp_index"]), job.train.lr)
-    found["reference_metrics"] = reference.train_step(samples, job.train.lr)
-    after = dict(reference.named_weights())
+    if arch == "qwen3_moe":
+        found["aux_grad_max_diff"] = _aux_gradient_gap(files, tokenizer, _half(short, groups["dp_index"]), dp_group,
+                                                       context_groups)
+    # training against the engine without cp on the same DP shards (a MoE model's load-balancing
+    # loss is each micro-batch's, so its micro-batches must be the same)
+    replicas = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, fsdp=fsdp)
+    before = {n: t.clone() for n, t in replicas.named_weights()}
+    shard = groups["dp_index"]
+    engine.train_step(_half(short, shard), job.train.lr)   # a cp rank's backward with nothing to predict
+    replicas.train_step(_half(short, shard), job.train.lr)
+    found["metrics"] = engine.train_step(_half(samples, shard), job.train.lr)
+    found["reference_metrics"] = replicas.train_step(_half(samples, shard), job.train.lr)
+    after = dict(replicas.named_weights())
     found["trained_weights_max_diff"] = max(float((t - after[n]).abs().max()) for n, t in engine.named_weights())
     found["weights_changed"] = max(float((after[n] - before[n]).abs().max()) for n in after)
     return found
+
+
+def _aux_gradient_gap(files, tokenizer, shard, dp_group, context_groups) -> float:
+    """The largest difference of one micro-batch's gradients, with and without cp, under the
+    load-balancing loss (the engines' own loss of a micro-batch, as train_step forms it)."""
+    import numpy as np
+
+    from hpcrl.engines.expert_load import ExpertLoad
+    from hpcrl.engines.torch_trainer import TorchTrainer
+
+    job = _job("qwen3_moe", aux=0.5)
+    grads = []
+    for context in (context_groups, None):
+        engine = TorchTrainer(files, job, tokenizer.pad_token_id, dp_group, context_groups=context)
+        engine._expert_load, engine._real_tokens = ExpertLoad(*engine._router_shape), 500.0
+        batch, columns = engine._micro_batch(shard, np.arange(len(shard.prompt_ids)))
+        loss, _ = engine._micro_loss(batch, columns, True, 8.0, 8)
+        engine._backward(loss * engine.dp_size, last=True)
+        grads.append({n: p.grad for n, p in engine.module.named_parameters()})
+    return max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[1])
 
 
 def _rank(rank: int) -> dict:
@@ -174,9 +211,9 @@ def _merge(everyone: list[dict]) -> dict:
     for name in VARIANTS:
         per_rank = [f[name] for f in everyone if f]
         merged[name] = {key: max(f[key] for f in per_rank) for key in per_rank[0] if key.endswith("diff")}
-        metrics = {key: sum(f["metrics"][key] for f in per_rank) / len(per_rank) for key in per_rank[0]["metrics"]
-                   if key in ("loss", "grad_norm", "moe_load_max", "moe_load_min")}
-        merged[name].update(metrics=metrics, reference_metrics=per_rank[0]["reference_metrics"],
+        def mean(metrics: str) -> dict:
+            return {key: sum(f[metrics][key] for f in per_rank) / len(per_rank) for key in per_rank[0][metrics]}
+        merged[name].update(metrics=mean("metrics"), reference_metrics=mean("reference_metrics"),
                             weights_changed=per_rank[0]["weights_changed"])
     return merged
 

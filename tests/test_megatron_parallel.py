@@ -34,6 +34,7 @@ LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings, the role's world 
     "ep4": ({"ep": 4}, "mixtral", True, [1, 2, 3, 4]),
     "ep2pp2": ({"ep": 2, "pp": 2}, "qwen2_moe", False, [1, 2, 3, 4]),   # experts gathered per stage
     "ep2dp4": ({"ep": 2}, "qwen3_moe", True, [1, 2, 3, 4]),   # two expert-DP replicas of each expert
+    "tp2moe": ({"tp": 2}, "qwen2_moe", False, [1, 2]),   # the load-balancing loss, over sequence-parallel ranks
 }
 MOE = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 16}
 
@@ -69,9 +70,9 @@ def test_two_ppo_steps_match_the_torch_engine(findings, layout):
     assert found["weights_changed"] > 1e-4
     assert abs(found["metrics"]["grad_norm"] - found["reference_metrics"]["grad_norm"]) < 1e-5, found
     if LAYOUTS[layout][1] in ("qwen2_moe", "qwen3_moe", "mixtral"):   # the routing, counted over every rank
-        for key in ("moe_load_max", "moe_load_min"):
+        for key in ("moe_load_max", "moe_load_min") + (("moe_aux_loss",) if layout == "tp2moe" else ()):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-6, (key, found)
-    if layout in ("tp2", "pp2"):  # with DP each replica reports its own shard's loss
+    if layout in ("tp2", "pp2", "tp2moe"):  # with DP each replica reports its own shard's loss
         for key in ("loss", "entropy", "kl_loss", "clipfrac", "grad_norm"):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-4, (key, found)
 
@@ -92,7 +93,11 @@ def test_offload_frees_storage_and_reload_restores_weights_and_optimizer_state(f
 # ---- the MPI program ---------------------------------------------------------------------------------------------
 
 
-def _job(arch: str, tied: bool):
+def _job(arch: str, tied: bool, data_parallel: bool = True):
+    """With a MoE model over DP ranks, a token cap that cuts the DP shards into different numbers of
+    micro-batches (the EP ranks must still run as many as each other: their all-to-alls pair
+    them); without DP, one micro-batch and the load-balancing loss (a micro-batch's, as the torch
+    engine's one micro-batch of the whole batch has it)."""
     from hpcrl.config.job import JobConfig
 
     experts = {**MOE, **({"shared_expert_intermediate_size": 24} if arch == "qwen2_moe" else {})} \
@@ -101,11 +106,10 @@ def _job(arch: str, tied: bool):
         "name": "megatron-test", "task": {"name": "addition"},
         "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 48, "tie_word_embeddings": tied, **experts},
-        "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01},
-        # MoE: a token cap that cuts the DP shards into different numbers of micro-batches (the EP
-        # ranks must still run as many as each other: their all-to-alls pair them)
+        "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01,
+                      **({"moe_aux_loss_coef": 0.5} if experts and not data_parallel else {})},
         "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0,
-                  **({"max_tokens_per_micro_batch": 12} if experts else {})},
+                  **({"max_tokens_per_micro_batch": 12} if experts and data_parallel else {})},
         "rollout": {"temperature": 0.9},
         "roles": {"actor_train": {"engine": "megatron"}, "actor_infer": {},
                   "reference": {"engine": "megatron", "colocate_with": "actor_train"}},   # the KL loss's
@@ -200,7 +204,7 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[i
         and all(groups[kind] == experts.get_ranks(token) for kind, token in
                 (("ep", "ep"), ("expt_dp", "dp"), ("expt_tp", "tp"), ("tp_ep", "tp-ep")))}
 
-    job = _job(arch, tied)
+    job = _job(arch, tied, data_parallel=dp > 1)
     tokenizer = CharTokenizer()
     files = random_files(job, tokenizer, Path(tempfile.mkdtemp(prefix=f"hpcrl-test-rank{rank}-")))
     hf = load_full(files, job.model.dtype)

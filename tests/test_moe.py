@@ -67,6 +67,50 @@ def test_what_hpcrl_writes_and_sends_vllm_is_the_hub_layout_transformers_saves(a
     assert written.keys() == saved.keys() and all(torch.equal(written[n], saved[n]) for n in saved)
 
 
+def test_the_load_balancing_loss_is_switch_transformers_over_the_real_tokens_and_trains_the_routers(tmp_path):
+    """`moe_aux_loss` of a step is E * sum_e f_e * P_e per layer (f: share of the real tokens' k
+    routed slots, P: mean softmax probability), averaged over layers, computed here from transformers'
+    own router logits; with algorithm.moe_aux_loss_coef > 0 the step's gradient is not the one without."""
+    import numpy as np
+
+    from hpcrl.config import load_job
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.batch import pack
+    from hpcrl.engines.model_files import ModelFiles, load_full, write_random_init
+    from hpcrl.engines.torch_trainer import Samples, TorchTrainer
+    from hpcrl.ragged import Ragged
+
+    tokenizer = CharTokenizer()
+    overrides = ["model.arch=qwen3_moe", "model.num_experts=4", "train.ppo_epochs=1", "train.minibatches=1",
+                 "train.grad_clip=1.0"]
+    files = ModelFiles(write_random_init(load_job("jobs/tiny_grpo.yaml", overrides), tokenizer, tmp_path))
+    rng = np.random.default_rng(0)
+    prompts = Ragged.from_rows([rng.integers(3, tokenizer.vocab_size, n) for n in (3, 9, 5, 7)], np.int32)
+    responses = Ragged.from_rows([rng.integers(3, tokenizer.vocab_size, n) for n in (4, 1, 6, 2)], np.int32)
+    zeros = responses.with_values(np.zeros(len(responses.values), np.float32))
+    samples = Samples(prompts, responses, {"old_logprobs": zeros.with_values(zeros.values - 2.0),
+                                           "advantages": zeros.with_values(rng.standard_normal(len(zeros.values))
+                                                                           .astype(np.float32))})
+    model = load_full(files, torch.float32)
+    batch = pack(prompts, responses, tokenizer.pad_token_id)
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], output_router_logits=True)
+    keep = batch["attention_mask"].reshape(-1).bool()
+    expected = []
+    for logits in out.router_logits:
+        probs = torch.softmax(logits[keep].float(), dim=-1)
+        routed = torch.zeros_like(probs).scatter_(1, probs.topk(2, dim=-1).indices, 1.0)
+        expected.append(4 * float((routed.mean(0) / 2 * probs.mean(0)).sum()))
+    norms = {}
+    for coef in (0.0, 1.0):
+        job = load_job("jobs/tiny_grpo.yaml", overrides + [f"algorithm.moe_aux_loss_coef={coef}"])
+        metrics = TorchTrainer(files, job, tokenizer.pad_token_id, None).train_step(samples, job.train.lr)
+        assert metrics["moe_aux_loss"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+        norms[coef] = metrics["grad_norm"]
+    assert norms[1.0] != pytest.approx(norms[0.0], rel=1e-3)
+
+
 MOE = ["model.arch=qwen2_moe", "model.num_experts=4", "model.experts_per_token=2", "model.moe_intermediate_size=32",
        "train.prompts_per_step=8", "algorithm.group_size=4", "log.tensorboard=false", "train.steps=3",
        "checkpoint.every=3", "log.check_weights=true"]

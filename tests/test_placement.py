@@ -471,6 +471,11 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
      "roles.actor_train.parallel.ep: 6 experts do not split over ep = 4"),
     (TINY, ["roles.actor_train.engine=deepspeed", "roles.actor_train.parallel.cp=2"],
      "roles.actor_train.parallel.cp: cp = 2, but the deepspeed engine is data parallel only"),
+    (TINY, ["algorithm.moe_aux_loss_coef=0.01"], "algorithm.moe_aux_loss_coef: arch qwen2 has no router to balance"),
+    (TINY, ["model.arch=mixtral", "model.num_experts=4", "algorithm.moe_aux_loss_coef=0.01",
+            "roles.actor_train.engine=deepspeed"], "algorithm.moe_aux_loss_coef: the deepspeed engine adds no"),
+    (TINY, ["model.arch=mixtral", "model.num_experts=4", "algorithm.moe_aux_loss_coef=0.01", "train.recompute=true",
+            "roles.actor_train.engine=megatron"], "algorithm.moe_aux_loss_coef: megatron recomputes a layer's forward"),
     (TINY, ["model.arch=mixtral", "model.num_experts=4", "roles.actor_train.engine=megatron",
             "roles.actor_train.parallel.ep=4", "roles.actor_train.parallel.dp=2"],
      "roles.actor_train.parallel.ep: the expert-parallel ranks are data-parallel ranks of the dense layers "

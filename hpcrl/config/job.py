@@ -246,6 +246,9 @@ class AlgorithmConfig(Schema):
     kl_loss: KLLossConfig = KLLossConfig()
     kl_in_reward: KLRewardConfig = KLRewardConfig()
     entropy_coef: NonNegativeFloat = Field(0.0, description="entropy bonus: keeps exploring instead of collapsing")
+    moe_aux_loss_coef: NonNegativeFloat = Field(0.0, description="mixture-of-experts models: weight of the routers' "
+                                                "load-balancing loss (Switch Transformer's E * sum_e f_e * P_e per "
+                                                "layer, 1 when balanced; mean over layers); 0: off")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="seq-mean-token-sum-norm divides each sequence's sum by rollout.max_new_tokens "
                                   "(Dr. GRPO)")
@@ -491,10 +494,23 @@ class JobConfig(Schema):
             if engine == "torch" and name in ("actor_train", "critic") and self.model.dtype == "float16":
                 raise ValueError(f"model.dtype: float16 training needs loss scaling, which the torch engine (roles."
                                  f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")
+            if self.algorithm.moe_aux_loss_coef > 0 and name == "actor_train":
+                self._check_aux_loss(engine)
             refused = role_refusals(name, engine) + parallel_refusals(name, engine, role.parallel.model_dump())
             if refused:   # the model's sizes are checked by the plan (hpcrl.placement), from the same table
                 raise ValueError("; ".join(refused))
         return self
+
+    def _check_aux_loss(self, engine: str) -> None:
+        if self.model.arch not in MOE_ARCHS:
+            raise ValueError(f"algorithm.moe_aux_loss_coef: arch {self.model.arch} has no router to balance; "
+                             "remove it or use a mixture-of-experts arch")
+        if engine == "deepspeed":
+            raise ValueError("algorithm.moe_aux_loss_coef: the deepspeed engine adds no load-balancing loss; use "
+                             "engine torch or megatron for roles.actor_train")
+        if engine == "megatron" and self.train.recompute:
+            raise ValueError("algorithm.moe_aux_loss_coef: megatron recomputes a layer's forward without the "
+                             "tokens' mask the loss needs; remove train.recompute or the loss")
 
     def _check_domains(self) -> None:
         tags = [d.tag for d in self.datasets or []]

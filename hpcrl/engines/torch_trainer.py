@@ -89,7 +89,7 @@ class TorchTrainer:
     dp_cp_group: dist.ProcessGroup | None = None
     _expert_load: ExpertLoad | None = None   # a MoE model's routing, counted while a train step runs
     _keep: torch.Tensor | None = None        # the real tokens of the training forward under way
-    _router_shape: tuple[int, int] = (0, 0)  # (MoE layers, experts per layer); (0, 0): a dense model
+    _router_shape: tuple[int, int, int] = (0, 0, 0)   # (MoE layers, experts, top-k); zeros: a dense model
 
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
                  device: str | torch.device = "cpu", trainable: bool = True, fsdp: bool = False,
@@ -149,12 +149,14 @@ class TorchTrainer:
                 routers.append(router)
 
         def count(index: int, router: torch.nn.Module, inputs, output) -> None:
+            logits, _, indices = output
             if self._expert_load is not None and self._keep is not None:
-                self._expert_load.add(index, expert_load.one_hot(output[2], router.num_experts, self._keep))
+                self._expert_load.add(index, expert_load.one_hot(indices, router.num_experts),
+                                      torch.softmax(logits.float(), dim=-1), self._keep)
 
         for index, router in enumerate(routers):
             router.register_forward_hook(functools.partial(count, index))
-        self._router_shape = len(routers), (routers[0].num_experts if routers else 0)
+        self._router_shape = (len(routers), routers[0].num_experts, routers[0].top_k) if routers else (0, 0, 0)
 
     @property
     def _weights_group(self) -> dist.ProcessGroup | None:
@@ -264,8 +266,8 @@ class TorchTrainer:
             raise ValueError(f"a DP shard of {n} samples does not split into train.minibatches={train.minibatches}")
         cut = micro_batching(train)
         history: dict[str, list[float]] = {}
-        layers, experts = self._router_shape
-        self._expert_load = ExpertLoad(layers, experts, self.device) if layers else None
+        layers, experts, top_k = self._router_shape
+        self._expert_load = ExpertLoad(layers, experts, top_k, self.device) if layers else None
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
@@ -273,6 +275,7 @@ class TorchTrainer:
                 groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
                 tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
                 sequences = int(self._dp_sum(float(len(index))))
+                self._real_tokens = self._dp_sum(float(prompts.lengths.sum() + responses.lengths.sum()))
                 outputs = []
                 self._zero_grad()
                 for i, rows in enumerate(groups):
@@ -291,10 +294,14 @@ class TorchTrainer:
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))
         metrics = {key: sum(values) / len(values) for key, values in history.items()}
-        if self._expert_load is not None:
-            metrics.update(self._expert_load.metrics(self._weights_group))
+        if self._expert_load is not None:   # cp ranks record the same micro-batch losses
+            metrics.update(self._expert_load.metrics(self._weights_group, self._cp_size))
             self._expert_load = None
         return metrics
+
+    @property
+    def _cp_size(self) -> int:
+        return dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
 
     def _micro_loss(self, batch: dict[str, torch.Tensor], columns: dict[str, torch.Tensor], first: bool,
                     tokens: float, sequences: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -309,7 +316,11 @@ class TorchTrainer:
         self._keep = None
         if entropy is not None and not bonus:
             entropy = entropy.detach()
-        return policy_objective(logp, entropy, columns, batch["response_mask"], self.job, tokens, sequences)
+        loss, metrics = policy_objective(logp, entropy, columns, batch["response_mask"], self.job, tokens, sequences)
+        if self._expert_load is not None and self._expert_load.forward:   # a MoE model's load-balancing loss
+            aux, real = self._expert_load.micro_batch_loss(self.cp_group)
+            loss = loss + self.job.algorithm.moe_aux_loss_coef * aux * real / max(self._real_tokens, 1.0)
+        return loss, metrics
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

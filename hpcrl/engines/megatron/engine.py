@@ -69,6 +69,7 @@ class MegatronTrainer:
         self.optimizer = None
         self._expert_load: ExpertLoad | None = None   # a MoE model's routing, counted while a train step runs
         self._keep: torch.Tensor | None = None        # the real tokens of the training forward under way
+        self._real_tokens = 0.0                       # the minibatch's, over the DP ranks
         self._host: list = []   # host copies of the offloaded state, kept for the next offload
         self._away = False
         if not trainable:
@@ -149,18 +150,41 @@ class MegatronTrainer:
         return by_position.reshape(-1)
 
     def _count_routing(self) -> None:
-        """Hooks on the MoE routers (probs, routing map [tokens, experts]) that count, during a
-        train step's forwards, where the real tokens go (hpcrl.engines.expert_load); a recomputed
-        forward finds `_keep` cleared."""
-        from megatron.core.transformer.moe.router import TopKRouter
+        """Hooks on the MoE layers: their routers count, during a train step's forwards, where the
+        real tokens go (the routing map [tokens, experts] and the softmax of the logits the router
+        kept: see model._route_as_transformers); each layer then adds its load-balancing loss to
+        the backward through megatron's MoEAuxLossAutoScaler, weighted by its micro-batch's share
+        of the minibatch's real tokens (hpcrl.engines.expert_load). A recomputed forward finds
+        `_keep` cleared. Under sequence parallelism a layer's statistics are summed over the TP
+        ranks first, and the loss divided by tp: the router's gradient is summed over them too."""
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
 
-        def count(router, inputs, output) -> None:
-            if self._expert_load is not None and self._keep is not None:
-                self._expert_load.add(router.layer_number - 1, output[1] * self._keep.reshape(-1, 1))
+        sequence_parallel = self.pgc.tp if self.config.sequence_parallel else None
+        per_layer = 1.0 / self.config.num_layers   # every layer has experts (config._check_supported)
+        coef = self.job.algorithm.moe_aux_loss_coef / (self.pgc.tp.size() if sequence_parallel else 1)
+
+        def remember(router, inputs, output) -> None:
+            router.last_routing_map = output[1]
+
+        def balance(layer, inputs, output):
+            router = layer.router
+            logits, routing_map = router.last_logits, router.last_routing_map
+            router.last_logits = router.last_routing_map = None
+            if self._expert_load is None or self._keep is None:
+                return None
+            probs = torch.softmax(logits.reshape(routing_map.shape), dim=-1)   # logits: [S, B, E]
+            stats = self._expert_load.add(router.layer_number - 1, routing_map, probs, self._keep).reduce(sequence_parallel)
+            self._expert_load.forward.clear()
+            aux = stats.aux_loss(self.config.moe_router_topk)
+            self._expert_load.record(aux, stats.tokens, per_layer)
+            share = coef * per_layer * stats.tokens / max(self._real_tokens, 1.0)
+            return MoEAuxLossAutoScaler.apply(output[0], aux * share), output[1]
 
         for module in self.gpt.modules():
-            if isinstance(module, TopKRouter):
-                module.register_forward_hook(count)
+            if isinstance(module, MoELayer):
+                module.router.register_forward_hook(remember)
+                module.register_forward_hook(balance)
 
     def _response_logprobs(self, mb: dict[str, torch.Tensor], logits: torch.Tensor,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -222,11 +246,14 @@ class MegatronTrainer:
         self.model.train()
         history: dict[str, list[float]] = {}
         experts = self.config.num_moe_experts
-        self._expert_load = ExpertLoad(self.config.num_layers, experts, self.device) if experts else None
+        self._expert_load = (ExpertLoad(self.config.num_layers, experts, self.config.moe_router_topk, self.device)
+                             if experts else None)
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
                                     {k: v.take(index) for k, v in samples.columns.items()})
+                self._real_tokens = self._dp_sum(float(minibatch.prompt_ids.lengths.sum()
+                                                       + minibatch.response_ids.lengths.sum()))
                 loss_func = partial(self._policy_loss,
                                     tokens=self._dp_sum(trained_tokens(minibatch.response_ids, minibatch.columns)),
                                     sequences=int(self._dp_sum(float(len(index)))))
@@ -248,7 +275,7 @@ class MegatronTrainer:
                     history.setdefault(key, []).append(value)
         metrics = {key: sum(values) / len(values) for key, values in history.items()}
         if self._expert_load is not None:   # collective over the role; reported with the loss, on the last stage
-            load = self._expert_load.metrics(self.pgc.intra_dist_opt)
+            load = self._expert_load.metrics(self.pgc.intra_dist_opt, duplicates=self.pgc.tp.size())
             self._expert_load = None
             if self._last_stage:
                 metrics.update(load)

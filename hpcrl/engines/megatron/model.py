@@ -46,14 +46,16 @@ def _route_as_transformers(model: torch.nn.Module) -> None:
     """Router logits in the model's dtype, then fp32: transformers multiplies the hidden states by
     the router in the model's dtype and only then takes the softmax and top-k in fp32, while
     megatron's fp32 router (moe_router_dtype) multiplies in fp32. In bf16 the two round apart and
-    near-ties at the k-th expert would route tokens differently in training and rollout."""
+    near-ties at the k-th expert would route tokens differently in training and rollout. The
+    router keeps its last logits (`last_logits`) for the engine's load-balancing loss and metrics."""
     import types
 
     from megatron.core.transformer.moe.moe_utils import router_gating_linear
     from megatron.core.transformer.moe.router import TopKRouter
 
     def gating(router, hidden: torch.Tensor) -> torch.Tensor:
-        return router_gating_linear(hidden, router.weight, router.bias, hidden.dtype).float()
+        router.last_logits = router_gating_linear(hidden, router.weight, router.bias, hidden.dtype).float()
+        return router.last_logits
 
     for module in model.modules():
         if isinstance(module, TopKRouter):
