@@ -69,6 +69,8 @@ def test_two_ppo_steps_match_the_torch_engine(findings, layout):
     assert found["trained_weights_max_diff"] < 2e-5, found
     assert found["weights_changed"] > 1e-4
     assert abs(found["metrics"]["grad_norm"] - found["reference_metrics"]["grad_norm"]) < 1e-5, found
+    # the replicas' shares average to the whole minibatch's loss (every TP rank of a replica reports it)
+    assert abs(sum(found["losses"]) / len(found["losses"]) - found["reference_metrics"]["loss"]) < 1e-5, found
     if LAYOUTS[layout][1] in ("qwen2_moe", "qwen3_moe", "mixtral"):   # the routing, counted over every rank
         for key in ("moe_load_max", "moe_load_min") + (("moe_aux_loss",) if layout == "tp2moe" else ()):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-6, (key, found)
@@ -241,6 +243,7 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[i
     if metrics:  # on the last pipeline stage
         found["metrics"] = metrics
         found["micro_batches"] = [metrics["micro_batches"]]
+        found["losses"] = [metrics["loss"]]   # each DP replica's estimate of the whole minibatch's loss
     found["reference_metrics"] = reference.train_step(samples, job.train.lr)
     trained = dict(engine.named_weights())
     if trained and dp_rank == 0:
@@ -267,7 +270,7 @@ def _merge(per_rank: list[dict]) -> dict:
     merged: dict = {}
     for found in per_rank:
         for key, value in found.items():
-            if key in ("named_weights", "named_weights_mismatch", "micro_batches"):
+            if key in ("named_weights", "named_weights_mismatch", "micro_batches", "losses"):
                 merged[key] = merged.get(key, []) + value
             elif key == "trained_weights_max_diff":
                 merged[key] = max(merged.get(key, 0.0), value)
