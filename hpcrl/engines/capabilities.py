@@ -39,13 +39,16 @@ class ModelDims:
     vocab_size: int
     num_layers: int
     num_experts: int = 0   # routed experts per MoE layer; 0: a dense model
+    mlp_widths: tuple[int, ...] = ()   # the widths TP splits: the dense MLP's, an expert's, the shared expert's
 
     @classmethod
     def from_hf(cls, config) -> ModelDims:
         """From a Hugging Face config (what an engine builds from)."""
         experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        widths = (config.intermediate_size, getattr(config, "moe_intermediate_size", 0) if experts else 0,
+                  getattr(config, "shared_expert_intermediate_size", 0) if experts else 0)
         return cls(config.num_attention_heads, config.num_key_value_heads, config.vocab_size,
-                   config.num_hidden_layers, int(experts))
+                   config.num_hidden_layers, int(experts), tuple(int(w) for w in widths if w))
 
 
 def role_refusals(role: str, engine: str) -> list[str]:
@@ -91,6 +94,10 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
             replicate = " (vLLM replicates them when tp is a multiple)" if engine == "vllm" else ""
             out.append(f"roles.{role}.parallel.tp: {dims.num_kv_heads} KV heads (model.num_kv_heads) do not split "
                        f"over tp = {tp}{replicate}; use a tp that divides {dims.num_kv_heads}")
+    if tp > 1 and engine == "megatron" and any(width % tp for width in dims.mlp_widths):
+        out.append(f"model: the MLP widths {list(dims.mlp_widths)} (intermediate_size, and a MoE model's "
+                   f"moe_intermediate_size and shared_expert_intermediate_size) must split evenly over "
+                   f"roles.{role}.parallel.tp = {tp}; use a tp that divides them")
     if tp > 1 and engine == "megatron" and dims.vocab_size % tp:
         out.append(f"model.vocab_size: {dims.vocab_size} does not split evenly over roles.{role}.parallel.tp = {tp} "
                    "(Megatron's vocab-parallel embedding); pad the vocabulary to a multiple of tp")

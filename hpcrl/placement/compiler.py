@@ -106,7 +106,9 @@ GPU_ONLY_ENGINES = ("vllm",)
 def _check_capabilities(roles: dict[str, _Role], shape: ModelShape) -> None:
     """What the engines would refuse at start-up (engines/capabilities.py, the table they check too),
     for the resolved sizes (a colocated role inherits its target's)."""
-    dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers, shape.num_experts)
+    widths = (shape.intermediate_size, shape.expert_intermediate_size, shape.shared_expert_intermediate_size)
+    dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers, shape.num_experts,
+                     tuple(width for width in widths if width))
     for role in roles.values():
         refused = role_refusals(role.name, role.engine) + parallel_refusals(
             role.name, role.engine, role.parallel.model_dump(), dims)
