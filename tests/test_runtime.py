@@ -178,8 +178,9 @@ def test_a_round_longer_than_the_sync_timeout_does_not_stall_the_sync_or_the_tra
         assert m["time_sync_s"] < 0.5 and m["time_stage_s"] < 0.5, "neither side of the sync waited for the other"
         # Serially the trainer would idle for a whole round per step; here only for what the round lasts
         # longer than a train step (a step in which no round ended counts no rollout time: compare
-        # with the average round).
-        assert m["train_idle_frac"] * m["time_step_s"] < 0.6 * round_s, m
+        # with the average round). The margin is half a train step, whatever the machine's speed: a
+        # fixed share of the round failed where training ran faster than the round by more than 40%.
+        assert m["train_idle_frac"] * m["time_step_s"] < round_s - 0.5 * m["time_train_s"], m
 
 
 def test_the_first_round_starts_the_next_batch_in_the_slots_the_first_leaves_free(tmp_path):
