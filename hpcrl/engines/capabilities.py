@@ -30,6 +30,12 @@ _ROLE_ENGINE = {("critic", "megatron"): "hpcrl builds Megatron's GPTModel with a
                                         "(its engine may differ from the actor's)"}
 
 
+def routed_experts(config) -> int:
+    """Routed experts per layer of a Hugging Face config (Qwen-MoE's num_experts, Mixtral's
+    num_local_experts); 0 for a dense model."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """The sizes that parallel splits must divide."""
@@ -44,11 +50,11 @@ class ModelDims:
     @classmethod
     def from_hf(cls, config) -> ModelDims:
         """From a Hugging Face config (what an engine builds from)."""
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        experts = routed_experts(config)
         widths = (config.intermediate_size, getattr(config, "moe_intermediate_size", 0) if experts else 0,
                   getattr(config, "shared_expert_intermediate_size", 0) if experts else 0)
         return cls(config.num_attention_heads, config.num_key_value_heads, config.vocab_size,
-                   config.num_hidden_layers, int(experts), tuple(int(w) for w in widths if w))
+                   config.num_hidden_layers, experts, tuple(int(w) for w in widths if w))
 
 
 def role_refusals(role: str, engine: str) -> list[str]:

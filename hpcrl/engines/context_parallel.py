@@ -32,15 +32,23 @@ ATTENTION = "hpcrl_context_parallel"   # the attention implementation name regis
 
 @dataclass(frozen=True)
 class ContextShard:
-    """One cp rank's share of a batch of width `width` (a multiple of 2*cp)."""
+    """One cp rank's share of a batch: its group, and which keys each of its queries may attend to
+    (in the order the gather lays every rank's keys out), built once per forward for all layers."""
 
     group: dist.ProcessGroup
-    columns: torch.Tensor      # [width / cp] the global columns this rank holds, ascending
-    key_valid: torch.Tensor    # [N, width] the whole batch's attention mask (real tokens)
+    allowed: torch.Tensor      # [N, 1, width / cp, width] bool
 
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, columns: torch.Tensor, key_valid: torch.Tensor) -> ContextShard:
+        """`columns` [width / cp]: the global columns this rank holds; `key_valid` [N, width]: the
+        whole batch's attention mask (real tokens). Causal over global columns with the padding out;
+        a padding query sees itself only: its output is never used, and no row is fully masked."""
+        cp = dist.get_world_size(group)
+        keys = torch.cat([local_columns(key_valid.shape[1], cp, r) for r in range(cp)]).to(columns.device)
+        causal = keys[None, :] <= columns[:, None]
+        itself = keys[None, :] == columns[:, None]
+        valid = key_valid[:, keys].bool()[:, None, None, :]
+        return cls(group, (causal[None, None] & valid) | itself[None, None])
 
 
 def padded_width(width: int, cp: int) -> int:
@@ -99,19 +107,13 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     shard = _current
     if shard is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs inside context_parallel.sharded() only")
-    order = torch.cat([local_columns(shard.key_valid.shape[1], shard.size, r) for r in range(shard.size)])
     keys = _GatherSequence.apply(key, shard.group)
     values = _GatherSequence.apply(value, shard.group)
-    key_columns = order.to(query.device)
-    query_columns = shard.columns.to(query.device)
-    valid = shard.key_valid[:, key_columns].bool()[:, None, None, :]
-    causal = key_columns[None, :] <= query_columns[:, None]
-    # a padding query sees itself only: its output is never used, and no row is fully masked
-    allowed = (causal[None, None] & valid) | (key_columns[None, :] == query_columns[:, None])[None, None]
     groups = query.shape[1] // keys.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, dropout_p=dropout, scale=scaling)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=shard.allowed, dropout_p=dropout,
+                                         scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -140,11 +142,18 @@ def left_padded(batch: dict[str, torch.Tensor], width: int) -> dict[str, torch.T
     return widened
 
 
-def local_columns_of(batch: dict[str, torch.Tensor], name: str, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's columns of `batch[name]` ([N, width]), as `response_outputs` runs them."""
+def local_view(batch: dict[str, torch.Tensor], group: dist.ProcessGroup
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The batch widened on the left to a multiple of 2*cp columns, and the columns of it this rank runs."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     batch = left_padded(batch, padded_width(batch["input_ids"].shape[1], cp))
-    return batch[name][:, local_columns(batch[name].shape[1], cp, rank).to(batch[name].device)]
+    return batch, local_columns(batch["input_ids"].shape[1], cp, rank).to(batch["input_ids"].device)
+
+
+def local_columns_of(batch: dict[str, torch.Tensor], name: str, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's columns of `batch[name]` ([N, width]), as `response_outputs` runs them."""
+    batch, columns = local_view(batch, group)
+    return batch[name][:, columns]
 
 
 def response_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: dist.ProcessGroup
@@ -155,13 +164,11 @@ def response_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor], gro
 
     The outputs stay tied to the whole local forward even when k = 0, so that every rank's backward
     runs the same collectives (the key/value gathers of every layer)."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    batch = left_padded(batch, padded_width(batch["input_ids"].shape[1], cp))
+    batch, columns = local_view(batch, group)
     width, responses = batch["input_ids"].shape[1], batch["response_ids"].shape[1]
-    columns = local_columns(width, cp, rank).to(batch["input_ids"].device)
     first = width - responses - 1   # the column whose output predicts response token 0
     keep = ((columns >= first) & (columns < width - 1)).nonzero().squeeze(1)
-    with sharded(ContextShard(group, columns, batch["attention_mask"])):
+    with sharded(ContextShard.of(group, columns, batch["attention_mask"])):
         out = model(input_ids=batch["input_ids"][:, columns], position_ids=batch["position_ids"][:, columns],
                     attention_mask=None, use_cache=False, logits_to_keep=keep).logits
     if out.shape[1] != keep.numel():   # a head that ignores logits_to_keep (the critic's) gives every column

@@ -61,12 +61,12 @@ class ExpertLoad:
         self.forward: list[RouterStats] = []
         self.aux = torch.zeros(2, dtype=torch.float64, device=device)   # sum of loss x tokens, tokens
 
-    def add(self, layer: int, routed: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor) -> RouterStats:
-        """One layer's routing in the forward under way: `routed` [tokens, experts] (1 where a token
-        went), `probs` [tokens, experts] the router's softmax, `keep` [tokens] the real tokens."""
+    def count(self, layer: int, routed: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor) -> RouterStats:
+        """One layer's routing in the forward under way, counted: `routed` [tokens, experts] (1 where
+        a token went), `probs` [tokens, experts] the router's softmax, `keep` [tokens] the real
+        tokens. Its statistics, for the layer's loss (`forward` holds those a micro-batch's loss takes)."""
         stats = RouterStats(routed, probs, keep)
         self.counts[layer] += stats.sums[:routed.shape[1]].detach().to(self.counts)
-        self.forward.append(stats)
         return stats
 
     def record(self, loss: torch.Tensor, tokens: torch.Tensor, weight: float = 1.0) -> None:

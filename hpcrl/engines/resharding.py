@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hpcrl.engines.capabilities import routed_experts
+
 Named = tuple[str, torch.Tensor]
 T = TypeVar("T")
 Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
@@ -79,9 +81,8 @@ class GPTShape:
     @classmethod
     def from_hf(cls, config) -> GPTShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
         return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   bool(config.tie_word_embeddings), int(experts))
+                   bool(config.tie_word_embeddings), routed_experts(config))
 
 
 # ---- full tensors: HF <-> Megatron names and fused layouts ----------------------------------------------------

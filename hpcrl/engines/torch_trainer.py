@@ -151,8 +151,9 @@ class TorchTrainer:
         def count(index: int, router: torch.nn.Module, inputs, output) -> None:
             logits, _, indices = output
             if self._expert_load is not None and self._keep is not None:
-                self._expert_load.add(index, expert_load.one_hot(indices, router.num_experts),
-                                      torch.softmax(logits.float(), dim=-1), self._keep)
+                load = self._expert_load
+                load.forward.append(load.count(index, expert_load.one_hot(indices, router.num_experts),
+                                               torch.softmax(logits.float(), dim=-1), self._keep))
 
         for index, router in enumerate(routers):
             router.register_forward_hook(functools.partial(count, index))
@@ -275,7 +276,8 @@ class TorchTrainer:
                 groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
                 tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
                 sequences = int(self._dp_sum(float(len(index))))
-                self._real_tokens = self._dp_sum(float(prompts.lengths.sum() + responses.lengths.sum()))
+                if self._expert_load is not None:   # the load-balancing loss's weights
+                    self._real_tokens = self._dp_sum(float(prompts.lengths.sum() + responses.lengths.sum()))
                 outputs = []
                 self._zero_grad()
                 for i, rows in enumerate(groups):
@@ -310,8 +312,9 @@ class TorchTrainer:
             return value_objective(self._values(batch), columns, batch["response_mask"], self.job, tokens, sequences)
         # without an entropy bonus the entropy is only logged, on the first micro-batch's tokens
         bonus = self.job.algorithm.entropy_coef > 0
-        self._keep = (batch["attention_mask"] if self.cp_group is None
-                      else context_parallel.local_columns_of(batch, "attention_mask", self.cp_group)).reshape(-1)
+        if self._expert_load is not None:   # the routers count this forward's real tokens
+            self._keep = (batch["attention_mask"] if self.cp_group is None
+                          else context_parallel.local_columns_of(batch, "attention_mask", self.cp_group)).reshape(-1)
         logp, entropy = self._forward(batch, with_entropy=bonus or first)
         self._keep = None
         if entropy is not None and not bonus:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpcrl.engines.capabilities import ModelDims, parallel_refusals
+from hpcrl.engines.capabilities import ModelDims, parallel_refusals, routed_experts
 from hpcrl.engines.resharding import GPTShape
 
 
@@ -59,7 +59,7 @@ def _moe_kwargs(hf_config) -> dict[str, Any]:
     mixtral = arch == "mixtral"
     shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
     return dict(
-        num_moe_experts=hf_config.num_local_experts if mixtral else hf_config.num_experts,
+        num_moe_experts=routed_experts(hf_config),
         moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=hf_config.intermediate_size if mixtral else hf_config.moe_intermediate_size,
         moe_router_pre_softmax=not (mixtral or hf_config.norm_topk_prob),

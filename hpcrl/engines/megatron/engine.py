@@ -132,7 +132,8 @@ class MegatronTrainer:
             mb = next(data_iterator)
             length = mb["tokens"].shape[1]
             positions = torch.arange(length, device=self.device).expand_as(mb["tokens"])
-            self._keep = self._routed_tokens(mb["token_mask"]) if not forward_only else None
+            if self._expert_load is not None and not forward_only:   # the routers count its real tokens
+                self._keep = self._routed_tokens(mb["token_mask"])
             output = model(mb["tokens"], positions, causal_mask(length, self.device))
             self._keep = None
             return output, partial(loss_func, mb)
@@ -174,8 +175,8 @@ class MegatronTrainer:
             if self._expert_load is None or self._keep is None:
                 return None
             probs = torch.softmax(logits.reshape(routing_map.shape), dim=-1)   # logits: [S, B, E]
-            stats = self._expert_load.add(router.layer_number - 1, routing_map, probs, self._keep).reduce(sequence_parallel)
-            self._expert_load.forward.clear()
+            stats = self._expert_load.count(router.layer_number - 1, routing_map, probs, self._keep)
+            stats.reduce(sequence_parallel)
             aux = stats.aux_loss(self.config.moe_router_topk)
             self._expert_load.record(aux, stats.tokens, per_layer)
             share = coef * per_layer * stats.tokens / max(self._real_tokens, 1.0)
@@ -252,8 +253,9 @@ class MegatronTrainer:
             for index in np.array_split(np.arange(n), train.minibatches):
                 minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
                                     {k: v.take(index) for k, v in samples.columns.items()})
-                self._real_tokens = self._dp_sum(float(minibatch.prompt_ids.lengths.sum()
-                                                       + minibatch.response_ids.lengths.sum()))
+                if self._expert_load is not None:   # the load-balancing loss's weights
+                    self._real_tokens = self._dp_sum(float(minibatch.prompt_ids.lengths.sum()
+                                                           + minibatch.response_ids.lengths.sum()))
                 loss_func = partial(self._policy_loss,
                                     tokens=self._dp_sum(trained_tokens(minibatch.response_ids, minibatch.columns)),
                                     sequences=int(self._dp_sum(float(len(index)))))
