@@ -39,6 +39,13 @@ def test_logprobs_of_long_sequences_with_cp2_equal_the_engine_without_cp(finding
     assert findings[variant]["short_logprob_max_diff"] < 1e-5, "a cp rank without response positions"
 
 
+def test_replayed_routing_with_cp2_gives_the_log_probs_without_cp(findings):
+    """Random experts replayed at every position (router_replay): cp=2 equals cp=1 (1e-5), and the
+    replay did move the log-probs away from the router's own routing."""
+    assert findings["qwen3_moe"]["replay_logprob_max_diff"] < 1e-5
+    assert findings["qwen3_moe"]["replay_moved"] > 1e-3
+
+
 def test_the_load_balancing_loss_with_cp2_gives_the_gradient_without_cp(findings):
     """Weight 0.5, one micro-batch of long prompts and one-token responses: every parameter's
     gradient within 1e-6 of the engine's without cp. (Trained weights would not show it: the loss
@@ -153,7 +160,18 @@ def _variant(arch: str, fsdp: bool, rank: int, groups: dict, context_groups) -> 
             critic_cp.module.score.weight.copy_(critic.module.score.weight)
         found["value_max_diff"] = _max_diff(critic_cp.values(samples.prompt_ids, samples.response_ids),
                                             critic.values(samples.prompt_ids, samples.response_ids))
-    if arch == "qwen3_moe":
+    if arch == "qwen3_moe":   # router replay: each cp rank replays its positions' share of the routing
+        import numpy as np
+
+        from hpcrl.ragged import Ragged
+
+        fed = samples.prompt_ids.lengths + samples.response_ids.lengths - 1
+        experts = torch.rand(int(fed.sum()), 2, 4, generator=generator).argsort(dim=-1)[..., :2]
+        routing = Ragged(experts.numpy().astype(np.uint8).reshape(-1), np.concatenate([[0], np.cumsum(fed * 4)]))
+        replayed = reference.logprobs(samples.prompt_ids, samples.response_ids, routing)
+        found["replay_logprob_max_diff"] = _max_diff(
+            engine.logprobs(samples.prompt_ids, samples.response_ids, routing), replayed)
+        found["replay_moved"] = _max_diff(replayed, samples.columns["old_logprobs"])
         found["aux_grad_max_diff"] = _aux_gradient_gap(files, tokenizer, _half(short, groups["dp_index"]), dp_group,
                                                        context_groups)
     # training against the engine without cp on the same DP shards (a MoE model's load-balancing
@@ -210,7 +228,8 @@ def _merge(everyone: list[dict]) -> dict:
     merged: dict = {"groups": PLAN}
     for name in VARIANTS:
         per_rank = [f[name] for f in everyone if f]
-        merged[name] = {key: max(f[key] for f in per_rank) for key in per_rank[0] if key.endswith("diff")}
+        merged[name] = {key: max(f[key] for f in per_rank) for key in per_rank[0]
+                        if key.endswith("diff") or key == "replay_moved"}
         def mean(metrics: str) -> dict:
             return {key: sum(f[metrics][key] for f in per_rank) / len(per_rank) for key in per_rank[0][metrics]}
         merged[name].update(metrics=mean("metrics"), reference_metrics=mean("reference_metrics"),

@@ -54,6 +54,15 @@ def test_logprobs_equal_the_hf_model_on_the_same_weights(findings, layout):
     assert findings[layout]["logprob_max_diff"] < 1e-5
 
 
+@pytest.mark.parametrize("layout", [name for name, spec in LAYOUTS.items() if "ep" in spec[0] or "moe" in name])
+def test_replayed_routing_gives_the_torch_engines_log_probs(findings, layout):
+    """Router replay through megatron-core's replay hook in its top-k (the positions of each EP, TP
+    sequence-parallel and pipeline rank) gives the log-probs of the torch engine's replay through
+    transformers' routers (1e-5), which the replayed experts moved away from the router's own."""
+    assert findings[layout]["replay_logprob_max_diff"] < 1e-5
+    assert findings[layout]["replay_moved"] > 1e-3
+
+
 def test_gpt_model_logits_equal_hf_logits(findings):
     assert findings["dp2"]["logits_max_diff"] < 1e-4
 
@@ -108,7 +117,7 @@ def _job(arch: str, tied: bool, data_parallel: bool = True):
         "name": "megatron-test", "task": {"name": "addition"},
         "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "intermediate_size": 48, "tie_word_embeddings": tied, **experts},
-        "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01,
+        "algorithm": {"kl_loss": {"coef": 0.05}, "entropy_coef": 0.01, "router_replay": bool(experts),
                       **({"moe_aux_loss_coef": 0.5} if experts and not data_parallel else {})},
         "train": {"ppo_epochs": 2, "minibatches": 1, "lr": 1e-3, "grad_clip": 1.0,
                   **({"max_tokens_per_micro_batch": 12} if experts and data_parallel else {})},
@@ -172,6 +181,7 @@ def _vocab_parallel_check(tp_group) -> float:
 
 
 def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[int], rank: int) -> dict | None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -193,6 +203,7 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[i
     from hpcrl.engines.model_files import load_full
     from hpcrl.engines.offload import model_state_tensors
     from hpcrl.engines.torch_trainer import TorchTrainer
+    from hpcrl.ragged import Ragged
 
     sizes = {k: parallel.get(k, 1) for k in ("tp", "pp", "cp", "ep")}
     dp = len(role_ranks) // (sizes["tp"] * sizes["pp"])
@@ -218,6 +229,15 @@ def _layout(name: str, parallel: dict, arch: str, tied: bool, role_ranks: list[i
     logprobs = engine.logprobs(samples.prompt_ids, samples.response_ids)
     if logprobs is not None:  # on the last pipeline stage
         found["logprob_max_diff"] = _max_diff(logprobs, samples.columns["old_logprobs"])
+    if job.algorithm.router_replay:   # random experts replayed at every position, as the torch engine replays them
+        fed = samples.prompt_ids.lengths + samples.response_ids.lengths - 1
+        experts = torch.rand(int(fed.sum()), 2, 4, generator=torch.Generator().manual_seed(5)).argsort(dim=-1)
+        routing = Ragged(experts[..., :2].numpy().astype(np.uint8).reshape(-1), np.concatenate([[0], np.cumsum(fed * 4)]))
+        replayed = engine.logprobs(samples.prompt_ids, samples.response_ids, routing)
+        if replayed is not None:
+            torch_replayed = reference.logprobs(samples.prompt_ids, samples.response_ids, routing)
+            found["replay_logprob_max_diff"] = _max_diff(replayed, torch_replayed)
+            found["replay_moved"] = _max_diff(torch_replayed, samples.columns["old_logprobs"])
     if name == "tp2":
         found["vocab_parallel_max_diff"] = _vocab_parallel_check(engine.pgc.tp)
     if name == "dp2":  # each rank holds the whole model: compare raw logits too

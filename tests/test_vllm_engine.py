@@ -12,7 +12,7 @@ from conftest import REPO, random_files
 
 from hpcrl.engines.native_sampler import SamplingParams
 from hpcrl.ragged import Ragged
-from hpcrl.engines.vllm_engine import llm_kwargs, request_seeds, sampled_tokens, vllm_sampling_kwargs
+from hpcrl.engines.vllm_engine import llm_kwargs, request_seeds, routed_row, sampled_tokens, vllm_sampling_kwargs
 
 
 def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
@@ -51,13 +51,30 @@ def test_the_sampled_tokens_logprobs_are_read_from_each_step():
     assert sampled_tokens(completion) == ([5, 2], [-0.25, -1.5])
 
 
+
+def test_router_replay_asks_vllm_for_the_routing_and_reads_its_positions_as_the_native_sampler_records_them():
+    """vLLM's `routed_experts` [positions, layers, top_k] (prompt and sampled tokens but the last)
+    is the native sampler's row; another number of positions (an aborted request) is dropped."""
+    assert "enable_return_routed_experts" not in llm_kwargs("/tmp/m", 1, torch.bfloat16, 3, 0.4, 128, True)
+    assert llm_kwargs("/tmp/m", 1, torch.bfloat16, 3, 0.4, 128, True, record_routing=True)[
+        "enable_return_routed_experts"]
+    routed = np.arange(4 * 2 * 2, dtype=np.int16).reshape(4, 2, 2) % 8
+    completion = SimpleNamespace(token_ids=[5, 2], routed_experts=routed)   # 3 prompt tokens + 2 - 1
+    row = routed_row(completion, 3, np.uint8)
+    assert row.dtype == np.uint8 and np.array_equal(row, routed.reshape(-1))
+    assert len(routed_row(completion, 4, np.uint8)) == 0
+    assert len(routed_row(SimpleNamespace(token_ids=[5], routed_experts=None), 3, np.uint8)) == 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install hpcrl[vllm])")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-@pytest.mark.parametrize("model", [[], ["model.arch=qwen2_moe", "model.num_experts=4"]], ids=["qwen2", "qwen2_moe"])
-def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path, model):
+@pytest.mark.parametrize("model_overrides", [[], ["model.arch=qwen2_moe", "model.num_experts=4"]],
+                         ids=["qwen2", "qwen2_moe"])
+def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path, model_overrides):
     """Also a MoE model: vLLM loads hpcrl's init directory (experts in the hub layout), and its
-    samples' log-probs are the HF model's; then weights pushed in that layout land (the engine's
-    own loader: the same log-probs again)."""
+    samples' log-probs are the HF model's, and it records the experts of every position it fed
+    (router replay); then weights pushed in that layout land (the engine's own loader: the same
+    log-probs again)."""
     from hpcrl.config import load_job
     from hpcrl.data import CharTokenizer
     from hpcrl.engines.batch import pack, response_logprobs
@@ -65,15 +82,34 @@ def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path, mo
     from hpcrl.engines.vllm_engine import VLLMEngine
 
     tokenizer = CharTokenizer()
-    files = random_files(load_job(REPO / "jobs" / "tiny_grpo.yaml", model), tokenizer, tmp_path)   # vLLM loads these
+    files = random_files(load_job(REPO / "jobs" / "tiny_grpo.yaml", model_overrides), tokenizer, tmp_path)   # vLLM loads these
     model = load_full(files, torch.float32)
+    moe = bool(model_overrides)
     engine = VLLMEngine(files.path, torch.float32, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2,
-                        enforce_eager=True)
+                        enforce_eager=True, record_routing=moe)
     prompts = Ragged.from_rows([tokenizer.encode(t) for t in ("3+4=", "12+3=", "7=")] * 4, np.int32)
     out = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0),
                           budgets=np.array([6, 2, 0] * 4))
     full, _ = response_logprobs(model, pack(prompts, out.response_ids, tokenizer.pad_token_id), temperature=0.8)
     assert out.finished.all() and (out.response_ids.lengths <= [6, 2, 0] * 4).all()
+    if moe:   # router replay: vLLM's record of each fed position, as transformers routes the whole sequence
+        from hpcrl.engines import router_replay
+
+        seen = []
+        for router in router_replay.routers(model):
+            router.register_forward_hook(lambda m, i, o: seen.append(o[2]))
+        batch = pack(prompts, out.response_ids, tokenizer.pad_token_id)
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  position_ids=batch["position_ids"])
+        own = torch.stack(seen, dim=1).reshape(*batch["input_ids"].shape, len(seen), -1)
+        recorded = router_replay.padded_routing(out.routed_experts, prompts.lengths, out.response_ids.lengths,
+                                                own.shape[2], own.shape[3])
+        fed = recorded[:, :, 0, 0] >= 0
+        started = out.response_ids.lengths > 0
+        assert int(fed.sum()) == int((prompts.lengths + out.response_ids.lengths - 1)[started].sum())
+        agree = (recorded[fed].sort(-1).values == own[fed].sort(-1).values).all(-1).float().mean()
+        assert agree > 0.95, agree   # fp32 on both sides: only near-ties may route apart
     for i, (response, row) in enumerate(zip(out.response_ids, out.logprobs)):
         assert tokenizer.eos_token_id not in response[:-1]
         assert torch.allclose(full[i, : len(row)], torch.from_numpy(row), atol=1e-3)

@@ -249,6 +249,10 @@ class AlgorithmConfig(Schema):
     moe_aux_loss_coef: NonNegativeFloat = Field(0.0, description="mixture-of-experts models: weight of the routers' "
                                                 "load-balancing loss (Switch Transformer's E * sum_e f_e * P_e per "
                                                 "layer, 1 when balanced; mean over layers); 0: off")
+    router_replay: bool = Field(False, description="mixture-of-experts models: the trainer routes each token to the "
+                                "experts rollout routed it to (recorded by the native sampler) when it recomputes "
+                                "log-probs and trains, so routing flips between the two engines do not open a "
+                                "log-prob gap (ROLL's router replay, verl's R3); the gates stay the trainer's")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="seq-mean-token-sum-norm divides each sequence's sum by rollout.max_new_tokens "
                                   "(Dr. GRPO)")
@@ -496,6 +500,8 @@ class JobConfig(Schema):
                                  f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")
             if self.algorithm.moe_aux_loss_coef > 0 and name == "actor_train":
                 self._check_aux_loss(engine)
+            if self.algorithm.router_replay and name == "actor_train":
+                self._check_router_replay(engine)
             refused = role_refusals(name, engine) + parallel_refusals(name, engine, role.parallel.model_dump())
             if refused:   # the model's sizes are checked by the plan (hpcrl.placement), from the same table
                 raise ValueError("; ".join(refused))
@@ -511,6 +517,19 @@ class JobConfig(Schema):
         if engine == "megatron" and self.train.recompute:
             raise ValueError("algorithm.moe_aux_loss_coef: megatron recomputes a layer's forward without the "
                              "tokens' mask the loss needs; remove train.recompute or the loss")
+
+    def _check_router_replay(self, engine: str) -> None:
+        """Rollout records the routing on both its engines; the trainer replays it on torch and megatron."""
+        if self.model.arch not in MOE_ARCHS:
+            raise ValueError(f"algorithm.router_replay: arch {self.model.arch} has no router to replay; remove it or "
+                             "use a mixture-of-experts arch")
+        if engine == "deepspeed":
+            raise ValueError("algorithm.router_replay: roles.actor_train.engine is deepspeed, whose routers are not "
+                             "hooked to the recorded routing; use engine torch or megatron, or remove router_replay")
+        if engine == "megatron" and self.train.recompute and self.roles.actor_train.parallel.pp > 1:
+            raise ValueError("algorithm.router_replay: with train.recompute and pipeline stages (roles.actor_train."
+                             "parallel.pp > 1) megatron recomputes a micro-batch's layers after later micro-batches' "
+                             "forwards, which would replay their routing; remove train.recompute or use pp: 1")
 
     def _check_domains(self) -> None:
         tags = [d.tag for d in self.datasets or []]

@@ -139,6 +139,8 @@ def left_padded(batch: dict[str, torch.Tensor], width: int) -> dict[str, torch.T
     widened = dict(batch)
     for name in ("input_ids", "attention_mask", "position_ids"):
         widened[name] = F.pad(batch[name], (extra, 0), value=0)
+    if "routed_experts" in batch:   # [N, width, layers, top_k] (router replay): no experts on padding
+        widened["routed_experts"] = F.pad(batch["routed_experts"], (0, 0, 0, 0, extra, 0), value=-1)
     return widened
 
 

@@ -5,7 +5,10 @@ A balanced router sends each of the E experts of a layer k/E of the routed token
 the trainer reports `moe_load_max`, the most loaded expert's share over that (1: balanced; E/k: one
 expert takes every token), the largest over the layers, and `moe_load_min`, the least loaded
 expert's (0: an expert no token reached), the smallest over the layers: the routing collapse that
-RL on a MoE model must watch for. Counted over the real (not padding) tokens of the step's training
+RL on a MoE model must watch for. With router replay, `router_flip_frac` is the share of the real
+tokens' routings (token x layer) that the trainer's own router would have sent to other experts
+than the rollout's it replays: what replay corrects (the trainer's weights move after a step's
+first minibatch, so later minibatches add the update's own changes). Counted over the real (not padding) tokens of the step's training
 forward passes, summed over every rank of the role (each counts its own tokens: its samples, its
 sequence-parallel or context-parallel positions, its pipeline stage's layers).
 
@@ -60,6 +63,7 @@ class ExpertLoad:
         self.top_k = top_k
         self.forward: list[RouterStats] = []
         self.aux = torch.zeros(2, dtype=torch.float64, device=device)   # sum of loss x tokens, tokens
+        self.replay = torch.zeros(2, dtype=torch.float64, device=device)   # routings replayed: other / all
 
     def count(self, layer: int, routed: torch.Tensor, probs: torch.Tensor, keep: torch.Tensor) -> RouterStats:
         """One layer's routing in the forward under way, counted: `routed` [tokens, experts] (1 where
@@ -68,6 +72,13 @@ class ExpertLoad:
         stats = RouterStats(routed, probs, keep)
         self.counts[layer] += stats.sums[:routed.shape[1]].detach().to(self.counts)
         return stats
+
+    def count_replay(self, own: torch.Tensor, replayed: torch.Tensor, keep: torch.Tensor) -> None:
+        """One layer's replayed routing [tokens, k] (-1: a token without) against the router's `own`
+        choice, over the real tokens `keep`."""
+        replayed_real = (replayed[:, 0] >= 0) & keep.bool()
+        other = (own.sort(-1).values != replayed.to(own.dtype).sort(-1).values).any(-1) & replayed_real
+        self.replay += torch.stack([other.sum(), replayed_real.sum()]).to(self.replay)
 
     def record(self, loss: torch.Tensor, tokens: torch.Tensor, weight: float = 1.0) -> None:
         """Count a loss over `tokens` into the step's `moe_aux_loss` (with `weight`: a layer's share)."""
@@ -87,13 +98,16 @@ class ExpertLoad:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.counts, group=group)
             dist.all_reduce(self.aux, group=group)
+            dist.all_reduce(self.replay, group=group)
         routed = self.counts[self.counts.sum(1) > 0]
         if not len(routed):
             return {}
         share = routed / routed.mean(1, keepdim=True)
         weighted, tokens = (self.aux / duplicates).tolist()
+        other, replayed = self.replay.tolist()
         return {"moe_load_max": float(share.max()), "moe_load_min": float(share.min()),
-                "moe_aux_loss": weighted / max(tokens, 1.0)}
+                "moe_aux_loss": weighted / max(tokens, 1.0),
+                **({"router_flip_frac": other / replayed} if replayed else {})}
 
 
 def one_hot(indices: torch.Tensor, experts: int) -> torch.Tensor:

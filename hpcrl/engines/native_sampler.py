@@ -16,6 +16,7 @@ import torch
 from hpcrl.engines import kv_rows
 from hpcrl.engines.batch import left_pad, positions
 from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
+from hpcrl.engines.router_replay import RoutingRecorder
 from hpcrl.ragged import Ragged
 
 
@@ -51,6 +52,7 @@ class Generation:
     response_ids: Ragged     # int32
     logprobs: Ragged         # float32
     finished: np.ndarray     # bool
+    routed_experts: Ragged | None = None   # a MoE model's routing, when recorded (hpcrl.engines.router_replay)
 
     @classmethod
     def empty(cls, rows: int) -> Generation:
@@ -59,9 +61,11 @@ class Generation:
 
 class NativeSampler:
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0,
-                 max_seqs: int | None = None, owns_weights: bool = True, lockstep: bool = False):
+                 max_seqs: int | None = None, owns_weights: bool = True, lockstep: bool = False,
+                 record_routing: bool = False):
         """`max_seqs`: sequences decoding at once (rollout.max_num_seqs; None: every prompt of a call);
         `lockstep`: static batching (rollout.batching), the baseline continuous batching is measured against;
+        `record_routing`: a MoE model's generations carry the experts each token went to (router replay);
         `step_delay_s`: a pause after every decoding step, for tests of long rounds only;
         `owns_weights`: false when `model` is a trainer's, which sleep and wake leave where it is."""
         self.model = model
@@ -71,6 +75,7 @@ class NativeSampler:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.step_delay_s = step_delay_s
+        self.recorder = RoutingRecorder(model) if record_routing else None
         self._landing: dict[tuple[str, ...], torch.Tensor] = {}
         self._host: Saved = []
         self._asleep = False
@@ -212,11 +217,16 @@ class Decoding:
         self.lengths = np.zeros(0, np.int64)
         self.finished = np.zeros(0, bool)
         self.sessions = np.zeros(0, np.int64)   # per row: its session, -1 for none
-        self.kept: dict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = {}   # ids, (keys, values)
+        # per session: its ids, their (keys, values) per layer, and their routing when recorded
+        self.kept: dict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]], np.ndarray | None]] = {}
         self.waiting: collections.deque[int] = collections.deque()
         self.active = np.zeros(0, np.int64)   # rows of the cache, in order
         self.cache, self.mask, self.logits, self.next_position = None, None, None, None
         self.cache_key = "past_key_values"
+        recorder = sampler.recorder   # router replay: the experts of every position each row feeds
+        self.prefill_routes: list[np.ndarray | None] = []
+        self.step_routes = (np.zeros((0, width, recorder.layers, recorder.top_k), recorder.dtype)
+                            if recorder is not None else None)
 
     def add(self, prompts: list[np.ndarray], budgets: np.ndarray, seeds: np.ndarray,
             sessions: np.ndarray | None = None) -> np.ndarray:
@@ -234,6 +244,10 @@ class Decoding:
         self.lengths = np.concatenate([self.lengths, np.zeros(count, np.int64)])
         self.finished = np.concatenate([self.finished, budgets <= 0])
         self.sessions = np.concatenate([self.sessions, np.full(count, -1) if sessions is None else sessions])
+        if self.step_routes is not None:
+            self.prefill_routes.extend([None] * count)
+            self.step_routes = np.concatenate([self.step_routes, np.zeros((count, *self.step_routes.shape[1:]),
+                                                                          self.step_routes.dtype)])
         rows = np.arange(first, first + count)
         self.waiting.extend(rows[budgets > 0].tolist())
         return rows
@@ -269,7 +283,8 @@ class Decoding:
         if free <= 0 or not self.waiting or (self.sampler.lockstep and len(self.active)):
             return
         rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
-        pasts = [self._past(int(row)) for row in rows]
+        kept = [self._past(int(row)) for row in rows]
+        pasts = [None if k is None else k[0] for k in kept]
         cached = [0 if past is None else past[0][0].shape[2] for past in pasts]
         news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows, cached)], np.int32)
         ids, new_mask = (t.to(self.device) for t in left_pad(news, self.sampler.pad_id))
@@ -283,8 +298,14 @@ class Decoding:
             for index, n in enumerate(cached):
                 past_mask[index, width - n:] = 1
         mask = torch.cat([past_mask, new_mask], dim=1)
-        out = self.sampler.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, width:],
-                                 use_cache=True, **kwargs)
+        out, routes = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, width:],
+                                    use_cache=True, **kwargs)
+        if routes is not None:   # each row's real (not padding) positions, after its session's kept ones
+            real = new_mask.bool().numpy()
+            routes = routes.reshape(*real.shape, *routes.shape[1:])
+            for index, row in enumerate(rows):
+                before = [] if kept[index] is None else [kept[index][1]]
+                self.prefill_routes[row] = np.concatenate([*before, routes[index][real[index]]])
         self.cache_key, cache = _cache_of(out)
         logits, lengths = out.logits[:, -1], mask.sum(1)
         if self.cache is None:
@@ -295,13 +316,13 @@ class Decoding:
             self.next_position = torch.cat([self.next_position, lengths])
         self.active = np.concatenate([self.active, rows])
 
-    def _past(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The keys and values kept for the row's session, if its prompt continues their tokens."""
-        ids, past = self.kept.pop(int(self.sessions[row]), (None, None))
+    def _past(self, row: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray | None] | None:
+        """The keys and values (and routing) kept for the row's session, if its prompt continues their tokens."""
+        ids, past, routes = self.kept.pop(int(self.sessions[row]), (None, None, None))
         prompt = self.prompts[row]
         if past is None or len(prompt) <= len(ids) or not np.array_equal(prompt[:len(ids)], ids):
             return None
-        return past
+        return past, routes
 
     def _keep(self, index: int) -> None:
         """Keep the finished batch entry `index`'s keys and values for its session's next request:
@@ -312,7 +333,7 @@ class Decoding:
         columns = self.mask[index].nonzero().squeeze(-1)[:len(ids)]
         self.kept[int(self.sessions[row])] = (ids, [(layer.keys[index:index + 1, :, columns],
                                                       layer.values[index:index + 1, :, columns])
-                                                     for layer in self.cache.layers])
+                                                     for layer in self.cache.layers], self.routing_of(row))
 
     def step(self) -> np.ndarray:
         """Sample a token for every sequence in the batch and keep those of the unfinished ones; finished
@@ -353,14 +374,41 @@ class Decoding:
             self.mask = kv_rows.trim_left(self.cache, kv_rows.select_rows(self.cache, self.mask, index))
             chosen, self.next_position = chosen[index], self.next_position[index]
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.active), 1))], dim=1)
-        out = self.sampler.model(input_ids=chosen.unsqueeze(-1), attention_mask=self.mask,
-                                 position_ids=self.next_position.unsqueeze(-1), use_cache=True,
-                                 **{self.cache_key: self.cache})
+        out, routes = self._forward(input_ids=chosen.unsqueeze(-1), attention_mask=self.mask,
+                                    position_ids=self.next_position.unsqueeze(-1), use_cache=True,
+                                    **{self.cache_key: self.cache})
+        if routes is not None:   # the token each unfinished row just fed (lock-step's finished rows feed filler)
+            fed = ~self.finished[self.active]
+            rows = self.active[fed]
+            self.step_routes[rows, self.lengths[rows] - 1] = routes[fed]
         self.cache_key, self.cache = _cache_of(out)
         self.logits = out.logits[:, -1]
         self.next_position = self.next_position + 1
         return ended
 
+    def _forward(self, **inputs) -> tuple[object, np.ndarray | None]:
+        """The model's output, and the routing it took when recorded."""
+        recorder = self.sampler.recorder
+        if recorder is None:
+            return self.sampler.model(**inputs), None
+        return recorder.capture(lambda: self.sampler.model(**inputs))
+
+    def routing_of(self, row: int) -> np.ndarray | None:
+        """[positions, layers, top_k] experts of the positions a trainer's forward needs (router
+        replay): the row's prompt's and its response's but the last token's; None when not recorded
+        (or for a row cut before it started)."""
+        if self.step_routes is None or self.prefill_routes[row] is None:
+            return None
+        return np.concatenate([self.prefill_routes[row], self.step_routes[row, :max(0, self.lengths[row] - 1)]])
+
+    def routed_experts(self) -> Ragged | None:
+        """`routing_of` every row, flat (empty where none), when recorded."""
+        if self.step_routes is None:
+            return None
+        empty = np.zeros(0, self.step_routes.dtype)
+        return Ragged.from_arrays([empty if (r := self.routing_of(row)) is None else r.reshape(-1)
+                                   for row in range(len(self.prompts))], self.step_routes.dtype)
+
     def generation(self) -> Generation:
         return Generation(Ragged.from_padded(self.tokens, self.lengths), Ragged.from_padded(self.logprobs, self.lengths),
-                          self.finished.copy())
+                          self.finished.copy(), self.routed_experts())

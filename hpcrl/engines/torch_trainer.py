@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
-from hpcrl.engines import context_parallel, expert_load
+from hpcrl.engines import context_parallel, expert_load, router_replay
 from hpcrl.engines.batch import chunked_token_stats, pack, response_logprobs, response_values, right_pad, unpad
 from hpcrl.engines.expert_load import ExpertLoad
 from hpcrl.engines.fsdp import load_sharded
@@ -45,6 +45,7 @@ class Samples:
     prompt_ids: Ragged
     response_ids: Ragged
     columns: dict[str, Ragged]  # per response token: old_logprobs, ref_logprobs, advantages, ...
+    routed_experts: Ragged | None = None   # per sample, the rollout's routing to replay (router_replay)
 
 
 def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
@@ -89,6 +90,7 @@ class TorchTrainer:
     dp_cp_group: dist.ProcessGroup | None = None
     _expert_load: ExpertLoad | None = None   # a MoE model's routing, counted while a train step runs
     _keep: torch.Tensor | None = None        # the real tokens of the training forward under way
+    _replay: torch.Tensor | None = None      # [tokens, layers, top_k] experts the forward under way replays
     _router_shape: tuple[int, int, int] = (0, 0, 0)   # (MoE layers, experts, top-k); zeros: a dense model
 
     def __init__(self, files: ModelFiles, job: JobConfig, pad_id: int, dp_group: dist.ProcessGroup | None,
@@ -125,7 +127,7 @@ class TorchTrainer:
         self._host: Saved = []      # host copies of the offloaded state, kept for the next offload
         self._away = False
         if trainable:
-            self._count_routing(model)
+            self._hook_routers(model)
             if job.train.recompute:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
@@ -138,15 +140,20 @@ class TorchTrainer:
         """fp32 weights for a trainable role (the optimizer updates them), the job's dtype otherwise."""
         return torch.float32 if self.trainable else self.compute_dtype
 
-    def _count_routing(self, model: torch.nn.Module) -> None:
-        """Hooks on a MoE model's routers (transformers' TopKRouter: logits, weights, expert indices)
-        that count, during a train step's forwards, where its real tokens go (hpcrl.engines.expert_load).
-        A recomputed forward (train.recompute) finds no tokens to count: `_keep` is cleared by then."""
-        routers = []
-        for layer in getattr(getattr(model, "model", None), "layers", []):
-            router = getattr(getattr(layer, "mlp", None), "gate", None)
-            if hasattr(router, "top_k"):
-                routers.append(router)
+    def _hook_routers(self, model: torch.nn.Module) -> None:
+        """Hooks on a MoE model's routers (transformers' TopKRouter: logits, weights, expert indices):
+        the first replays the rollout's routing in a forward that has it (hpcrl.engines.router_replay;
+        a recomputed forward too, `_replay` stays until the next), the second counts, during a train
+        step's forwards, where its real tokens go (hpcrl.engines.expert_load). A recomputed forward
+        (train.recompute) finds no tokens to count: `_keep` is cleared by then."""
+        routers = router_replay.routers(model)
+
+        def replay(index: int, router: torch.nn.Module, inputs, output):
+            if self._replay is None:
+                return None
+            if self._expert_load is not None and self._keep is not None:
+                self._expert_load.count_replay(output[2], self._replay[:, index], self._keep)
+            return router_replay.replay_output(router, output, self._replay[:, index])
 
         def count(index: int, router: torch.nn.Module, inputs, output) -> None:
             logits, _, indices = output
@@ -156,6 +163,7 @@ class TorchTrainer:
                                                torch.softmax(logits.float(), dim=-1), self._keep))
 
         for index, router in enumerate(routers):
+            router.register_forward_hook(functools.partial(replay, index))
             router.register_forward_hook(functools.partial(count, index))
         self._router_shape = (len(routers), routers[0].num_experts, routers[0].top_k) if routers else (0, 0, 0)
 
@@ -201,7 +209,12 @@ class TorchTrainer:
 
     def _micro_batch(self, samples: Samples, rows: np.ndarray) -> tuple[dict, dict]:
         """The padded tensors of `rows`, and their per-token columns."""
-        batch = pack(samples.prompt_ids.take(rows), samples.response_ids.take(rows), self.pad_id)
+        prompts, responses = samples.prompt_ids.take(rows), samples.response_ids.take(rows)
+        batch = pack(prompts, responses, self.pad_id)
+        layers, _, top_k = self._router_shape
+        if samples.routed_experts is not None and layers:
+            batch["routed_experts"] = router_replay.padded_routing(samples.routed_experts.take(rows), prompts.lengths,
+                                                                   responses.lengths, layers, top_k)
         width = batch["response_ids"].shape[1]
         columns = {k: right_pad(v.take(rows), 0.0, torch.float32, width) for k, v in samples.columns.items()}
         return self._to_device(batch), self._to_device(columns)
@@ -211,6 +224,7 @@ class TorchTrainer:
 
     def _forward(self, batch: dict[str, torch.Tensor], with_entropy: bool):
         temperature = self.job.rollout.temperature
+        self._replay = self._replayed(batch)
         with self._autocast_scope():
             if self.cp_group is None:
                 return response_logprobs(self.model, batch, temperature, with_entropy)
@@ -219,6 +233,14 @@ class TorchTrainer:
             width = batch["response_ids"].shape[1]
             return (context_parallel.whole_rows(logp, index, width, self.cp_group),
                     None if entropy is None else context_parallel.whole_rows(entropy, index, width, self.cp_group))
+
+    def _replayed(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The experts this rank's tokens of `batch` replay, flat as the routers see them (None: route)."""
+        if "routed_experts" not in batch:
+            return None
+        routed = (batch["routed_experts"] if self.cp_group is None
+                  else context_parallel.local_columns_of(batch, "routed_experts", self.cp_group))
+        return routed.reshape(-1, *routed.shape[2:])
 
     def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self._autocast_scope():
@@ -229,19 +251,23 @@ class TorchTrainer:
                                                self.cp_group)
 
     @torch.no_grad()
-    def _per_token(self, prompt_ids: Ragged, response_ids: Ragged, compute) -> Ragged:
+    def _per_token(self, prompt_ids: Ragged, response_ids: Ragged, compute,
+                   routed_experts: Ragged | None = None) -> Ragged:
         """`compute(batch)` -> [n, R] of every response token, micro-batch by micro-batch, in row order."""
-        samples = Samples(prompt_ids, response_ids, {})
+        samples = Samples(prompt_ids, response_ids, {}, routed_experts)
         groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group, self.device)
         parts = []
         for rows in groups:
             batch, _ = self._micro_batch(samples, rows)
             parts.append(unpad(compute(batch), response_ids.lengths[rows]))
+        self._replay = None
         return Ragged.concat(parts).take(np.argsort(np.concatenate(groups), kind="stable"))
 
-    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
-        """Per-token log-probabilities of the responses under the current weights."""
-        return self._per_token(prompt_ids, response_ids, lambda batch: self._forward(batch, with_entropy=False)[0])
+    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged, routed_experts: Ragged | None = None) -> Ragged:
+        """Per-token log-probabilities of the responses under the current weights (routed as the
+        rollout routed them, given its `routed_experts`)."""
+        return self._per_token(prompt_ids, response_ids, lambda batch: self._forward(batch, with_entropy=False)[0],
+                               routed_experts)
 
     def values(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged:
         """The critic's value of the state before each response token."""
@@ -272,7 +298,8 @@ class TorchTrainer:
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
-                minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()})
+                minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()},
+                                    None if samples.routed_experts is None else samples.routed_experts.take(index))
                 groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
                 tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
                 sequences = int(self._dp_sum(float(len(index))))
@@ -295,6 +322,7 @@ class TorchTrainer:
                     metrics["grad_norm"] = grad_norm
                 for key, value in metrics.items():
                     history.setdefault(key, []).append(float(value))
+        self._replay = None
         metrics = {key: sum(values) / len(values) for key, values in history.items()}
         if self._expert_load is not None:   # cp ranks record the same micro-batch losses
             metrics.update(self._expert_load.metrics(self._weights_group, self._cp_size))

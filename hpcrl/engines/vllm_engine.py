@@ -29,10 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl.engines.capabilities import ModelDims, parallel_refusals
+from hpcrl.engines.capabilities import ModelDims, parallel_refusals, routed_experts
 from hpcrl.engines.digests import tensor_digests
 from hpcrl.engines.expert_layout import hub_tensors
 from hpcrl.engines.native_sampler import Generation, SamplingParams
+from hpcrl.engines.router_replay import index_dtype
 from hpcrl.ragged import Ragged
 
 Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
@@ -66,10 +67,12 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tok
 
 def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, seed: int,
                gpu_memory_utilization: float, max_model_len: int, enforce_eager: bool,
-               filtered_sampling: bool = False, max_num_seqs: int | None = None) -> dict[str, Any]:
+               filtered_sampling: bool = False, max_num_seqs: int | None = None,
+               record_routing: bool = False) -> dict[str, Any]:
     """vllm.LLM(**these): the weights loaded by vLLM itself from the HF directory (each TP worker
     reads its own shard), token ids in and out (no tokenizer), sleep mode on for colocated roles,
-    the log-probabilities of the unfiltered distribution (see the module doc)."""
+    the log-probabilities of the unfiltered distribution (see the module doc); with `record_routing`
+    a MoE model's outputs carry each position's experts (router replay)."""
     return dict(
         model=model_dir,
         tensor_parallel_size=tensor_parallel_size,
@@ -83,6 +86,7 @@ def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, se
         enable_sleep_mode=True,
         logprobs_mode="raw_logprobs" if filtered_sampling else "processed_logprobs",
         **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),   # vLLM's own continuous batching
+        **({"enable_return_routed_experts": True} if record_routing else {}),
     )
 
 
@@ -91,6 +95,17 @@ def sampled_tokens(completion) -> tuple[list[int], list[float]]:
     step's dict holds the sampled token)."""
     ids = [int(t) for t in completion.token_ids]
     return ids, [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
+
+
+def routed_row(completion, prompt_length: int, dtype: type) -> np.ndarray:
+    """A completion's routing (vLLM's `routed_experts` [positions, layers, top_k]) as hpcrl's flat
+    row (hpcrl.engines.router_replay): the positions vLLM fed, its prompt and every sampled token
+    but the last. Empty (the trainer then routes the sample itself) when vLLM gave none or another
+    number of positions, as a request aborted mid-step may: a shifted routing would be worse than none."""
+    routed = getattr(completion, "routed_experts", None)
+    if routed is None or len(routed) != prompt_length + len(completion.token_ids) - 1:
+        return np.zeros(0, dtype)
+    return np.asarray(routed).astype(dtype).reshape(-1)
 
 
 def _load_into_worker(worker, weights: list[tuple[str, torch.Tensor]], model_type: str) -> None:
@@ -143,12 +158,13 @@ class VLLMEngine:
     def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, eos_id: int, seed: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
                  sleep_level: int = 1, devices: Sequence[int] = (), filtered_sampling: bool = False,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, record_routing: bool = False):
         """Serve the HF model in `model_dir` (`model.path` or the run's random init), which vLLM
         loads itself. Alone in a one-rank world with TP = 1, vLLM runs in this process; otherwise
         its engine runs in child processes (their own torch.distributed world, TP workers on
         `devices`, the local GPU indices of this replica's ranks). `filtered_sampling`: the job samples
-        with top-k or top-p (see the module doc)."""
+        with top-k or top-p (see the module doc). `record_routing`: generations carry a MoE model's
+        routing (algorithm.router_replay)."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -168,9 +184,10 @@ class VLLMEngine:
         if refused:   # the plan refuses these first, from the same table
             raise ValueError("; ".join(refused))
         self.model_type = config.model_type
+        self.routing_dtype = index_dtype(routed_experts(config)) if record_routing else None
         self.llm = vllm.LLM(**llm_kwargs(str(model_dir), tensor_parallel_size, dtype, seed, gpu_memory_utilization,
                                          config.max_position_embeddings, enforce_eager, filtered_sampling,
-                                         max_num_seqs))
+                                         max_num_seqs, record_routing))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
                  budgets: np.ndarray | None = None, stop: Callable[[np.ndarray], bool] | None = None) -> Generation:
@@ -185,12 +202,16 @@ class VLLMEngine:
         else:
             outputs = self._generate_until(inputs, sampling, stop, rows, len(prompts))
         ids, logprobs = [[] for _ in range(len(prompts))], [[] for _ in range(len(prompts))]
+        routing = [np.zeros(0, self.routing_dtype or np.uint8) for _ in range(len(prompts))]
         finished = np.ones(len(prompts), dtype=bool)
         for row, out in zip(rows, outputs):
             if out is not None:
                 ids[row], logprobs[row] = sampled_tokens(out.outputs[0])
+                if self.routing_dtype is not None:
+                    routing[row] = routed_row(out.outputs[0], len(prompts[row]), self.routing_dtype)
             finished[row] = out is not None and out.finished
-        return Generation(Ragged.from_rows(ids, np.int32), Ragged.from_rows(logprobs, np.float32), finished)
+        routed = Ragged.from_arrays(routing, self.routing_dtype) if self.routing_dtype is not None else None
+        return Generation(Ragged.from_rows(ids, np.int32), Ragged.from_rows(logprobs, np.float32), finished, routed)
 
     def _generate_until(self, inputs: list[dict], sampling: list, stop: Callable[[np.ndarray], bool],
                         rows: list[int], count: int) -> list:

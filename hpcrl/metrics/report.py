@@ -23,7 +23,8 @@ PANELS: tuple[tuple[str, str], ...] = (("kl", "kl"), ("loss", "loss"), ("samples
                                        ("success_rate", "success rate"), ("turns", "turns per trajectory"),
                                        ("turns_to_success", "turns to success"),
                                        ("tokens_per_turn", "tokens per turn"), ("env_s_per_turn", "env s per turn"),
-                                       ("trajectories_failed", "failed trajectories"))
+                                       ("trajectories_failed", "failed trajectories"),
+                                       ("router_flip_frac", "routings replay changed"))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ def play(rollout: MultiTurnRollout, env_seeds: np.ndarray, groups: np.ndarray, s
     for t in sorted((t for t in played if not t.aborted), key=lambda t: t.failure is not None):
         chosen[t.request.group].append(t)
     columns: dict[str, list] = defaultdict(list)
+    recorder = rollout.sampler.recorder   # router replay: each trajectory's routing travels with it
     for group, rows in rows_of.items():
         kept = chosen[group][:len(rows)]
         prompt = next((t.prompt_ids for t in kept if len(t.prompt_ids)), rollout.turns.placeholder())
@@ -55,10 +56,15 @@ def play(rollout: MultiTurnRollout, env_seeds: np.ndarray, groups: np.ndarray, s
                                     else "success" if t.success else "failure")
             columns["turns"].append(len(t.turn_tokens))
             columns["env_s"].append(sum(t.env_seconds))
+            if recorder is not None:
+                columns["routed_experts"].append(np.zeros(0, recorder.dtype) if t.routing is None
+                                                 else t.routing.reshape(-1))
     order = np.argsort(np.concatenate([rows for rows in rows_of.values()]), kind="stable")
     out: Batch = {name: Ragged.from_arrays([columns[name][i] for i in order], dtype)
                   for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("loss_mask", bool),
                                       ("behaviour_logprobs", np.float32), ("token_rewards", np.float32))}
+    if recorder is not None:
+        out["routed_experts"] = Ragged.from_arrays([columns["routed_experts"][i] for i in order], recorder.dtype)
     out["rewards"] = np.array(columns["rewards"], np.float64)[order]
     out["codes"] = [columns["codes"][i] for i in order]
     for name, dtype in (("turns", np.int32), ("env_s", np.float64)):

@@ -59,6 +59,7 @@ class Group:
     finished: np.ndarray | None = None                                  # per sample: the response has ended
     loss_masks: list[np.ndarray] | None = None                          # per sample, bool: an env's trajectories
     token_rewards: list[np.ndarray] | None = None                       # per sample, float32: an env's turn rewards
+    routed_experts: list[np.ndarray] | None = None                      # per sample: its routing (router replay)
     rewards: np.ndarray | None = None                                   # per sample, float64, once scored
     codes: list[str] | None = None                                      # per sample: the reward's outcome code
 
@@ -75,12 +76,16 @@ class Group:
         self.behaviour_logprobs = [np.zeros(0, np.float32) for _ in range(self.size)]
         self.token_versions = [np.zeros(0, np.int32) for _ in range(self.size)]
         self.finished = np.zeros(self.size, dtype=bool)
+        self.routed_experts = None
 
     def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, version: int,
-               loss_mask: np.ndarray | None = None, token_rewards: np.ndarray | None = None) -> None:
+               loss_mask: np.ndarray | None = None, token_rewards: np.ndarray | None = None,
+               routed_experts: np.ndarray | None = None) -> None:
         """Append one round's tokens, sampled by weights of `version`, to a response. A trajectory's
         `loss_mask` is 0 on the env's observation tokens (they are context, not the policy's), and its
-        `token_rewards` hold each turn's reward on the last token of its action."""
+        `token_rewards` hold each turn's reward on the last token of its action. `routed_experts`, the
+        round's routing of the whole sequence (a continuation prefills its prefix again), replaces the
+        response's."""
         for name, values, dtype in (("loss_masks", loss_mask, bool), ("token_rewards", token_rewards, np.float32)):
             if values is not None:
                 if getattr(self, name) is None:
@@ -91,6 +96,10 @@ class Group:
         self.token_versions[sample] = np.concatenate([self.token_versions[sample],
                                                       np.full(len(ids), version, np.int32)])
         self.finished[sample] = finished
+        if routed_experts is not None:
+            if self.routed_experts is None:
+                self.routed_experts = [np.zeros(0, routed_experts.dtype) for _ in range(self.size)]
+            self.routed_experts[sample] = np.asarray(routed_experts)
 
     @property
     def done(self) -> bool:

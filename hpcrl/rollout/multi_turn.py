@@ -113,6 +113,7 @@ class Trajectory:
     failure: str | None = None   # why the env failed it (hung, raised, died)
     aborted: bool = False        # redundancy: its group was complete without it
     ended: bool = False
+    routing: np.ndarray | None = None   # router replay: the experts of its context's positions, up to its last action
 
     @property
     def reward(self) -> float:
@@ -245,6 +246,7 @@ class _Run:
         t.loss_mask.append(np.ones(length, bool))
         t.logprobs.append(self.decoding.logprobs[row, :length].copy())
         t.turn_tokens.append(length)
+        t.routing = self.decoding.routing_of(row)   # the whole conversation's so far (None unless recorded)
         if t.aborted:
             self._end(index)
             return

@@ -180,11 +180,11 @@ class RolloutScheduler:
 
     def finish_round(self, round_: Round, response_ids: Ragged, logprobs: Ragged, finished: np.ndarray,
                      loss_mask: Ragged | None = None, prompt_ids: Ragged | None = None,
-                     token_rewards: Ragged | None = None) -> list[Group]:
+                     token_rewards: Ragged | None = None, routed_experts: Ragged | None = None) -> list[Group]:
         """Append a round's tokens to its responses; returns the groups whose responses have now all
         ended (to be scored), in group order. Groups aborted meanwhile are left out. An env round
         (whole trajectories) also gives each row's loss mask, its turns' rewards and its group's first
-        observation as the prompt."""
+        observation as the prompt; a MoE model's round with router replay each row's routing."""
         if round_ is not self.in_flight:
             raise RuntimeError(f"round {round_.index} of batch {round_.batch} is not the round in flight")
         self.in_flight = None
@@ -194,7 +194,8 @@ class RolloutScheduler:
                 group.prompt_ids = np.asarray(prompt_ids[row], np.int32)
             group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]), round_.version,
                          None if loss_mask is None else loss_mask[row],
-                         None if token_rewards is None else token_rewards[row])
+                         None if token_rewards is None else token_rewards[row],
+                         None if routed_experts is None else routed_experts[row])
             touched[group.group_id] = group
         return [g for _, g in sorted(touched.items()) if g.done and g.state is SampleState.GENERATING]
 
@@ -298,11 +299,22 @@ class RolloutScheduler:
             "token_versions": Ragged.from_arrays([g.token_versions[i] for g, i in rows], np.int32),
             **{column: Ragged.from_arrays([getattr(g, name)[i] for g, i in rows], dtype)
                for column, name, dtype in ENV_TOKEN_COLUMNS if any(getattr(g, name) is not None for g, _ in rows)},
+            **self._routing_column(rows),
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
             "code": [g.codes[i] if g.codes is not None else "" for g, i in rows],
         }
+
+    @staticmethod
+    def _routing_column(rows: list[tuple[Group, int]]) -> dict[str, Ragged]:
+        """The buffer's routing (router replay), when its groups have any."""
+        routed = [g.routed_experts for g, _ in rows if g.routed_experts is not None]
+        if not routed:
+            return {}
+        empty = np.zeros(0, routed[0][0].dtype)
+        return {"routed_experts": Ragged.from_arrays([g.routed_experts[i] if g.routed_experts is not None else empty
+                                                      for g, i in rows], empty.dtype)}
 
     def restore(self, step: int, buffer: dict, next_group_id: int, attempts: dict[int, int],
                 rounds: dict[int, int]) -> None:
@@ -329,6 +341,10 @@ class RolloutScheduler:
                     if getattr(group, name) is None:
                         setattr(group, name, [])
                     getattr(group, name).append(np.array(buffer[column][row], dtype))
+            if "routed_experts" in buffer:
+                if group.routed_experts is None:
+                    group.routed_experts = []
+                group.routed_experts.append(np.array(buffer["routed_experts"][row]))
             group.finished[sample] = bool(buffer["finished"][row])
             if bool(buffer["scored"][row]):
                 if group.rewards is None:

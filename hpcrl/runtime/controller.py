@@ -197,7 +197,7 @@ class Controller:
             self._finish_episodes(flight.round, result)
             return
         done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
-                                           result["finished"])
+                                           result["finished"], routed_experts=result.get("routed_experts"))
         if done:
             prompts = Ragged.from_arrays([g.prompt_ids for g in done for _ in range(g.size)], np.int32)
             responses = Ragged.from_arrays([r for g in done for r in g.response_ids], np.int32)
@@ -211,7 +211,7 @@ class Controller:
         """An env round's trajectories are finished and rewarded by their envs: no scoring."""
         done = self.scheduler.finish_round(round_, result["response_ids"], result["behaviour_logprobs"],
                                            np.ones(len(result["rewards"]), bool), result["loss_mask"],
-                                           result["prompt_ids"], result["token_rewards"])
+                                           result["prompt_ids"], result["token_rewards"], result.get("routed_experts"))
         row_of = {(g.group_id, i): row for row, (g, i) in enumerate(round_.samples)}
         rows = [row_of[g.group_id, i] for g in done for i in range(g.size)]
         self.scheduler.rewarded(done, result["rewards"][rows], [result["codes"][r] for r in rows])
@@ -271,7 +271,8 @@ class Controller:
         started = time.perf_counter()
         self.train_busy.start()
         self.residency.enter("logprobs")
-        pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, sequences)] if recompute else []
+        actor = {**sequences, **self._routing(groups)}   # the actor replays the rollout's routing (router_replay)
+        pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, actor)] if recompute else []
         if "reference" in self.groups:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
         if "critic" in self.groups:
@@ -283,7 +284,7 @@ class Controller:
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
         found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef,
                                  loss_mask, token_rewards, sequences["prompt_ids"], sequences["response_ids"])
-        train_batch = {**sequences, **columns, **found.columns}
+        train_batch = {**actor, **columns, **found.columns}
         if loss_mask is not None:
             train_batch["loss_mask"] = loss_mask
             fresh &= loss_mask.values > 0   # the log-prob gap below is over generated tokens
@@ -326,6 +327,17 @@ class Controller:
                                                       algo.kl_in_reward.target, len(rewards),
                                                       algo.kl_in_reward.horizon)
         self.training = _InFlight(_All(*calls), time.perf_counter(), version=step, metrics=metrics)
+
+    @staticmethod
+    def _routing(groups) -> dict[str, Ragged]:
+        """The samples' recorded routing, when rollout recorded it (algorithm.router_replay); a sample
+        without (none recorded before a resume) routes as the trainer's router does."""
+        recorded = [g.routed_experts for g in groups if g.routed_experts is not None]
+        if not recorded:
+            return {}
+        none = [np.zeros(0, recorded[0][0].dtype)]
+        return {"routed_experts": Ragged.from_arrays([r for g in groups for r in g.routed_experts or none * g.size],
+                                                     none[0].dtype)}
 
     # -- the weight sync ----------------------------------------------------------------------
     def _copies_weights(self, digest: bool) -> bool:

@@ -108,13 +108,15 @@ class ActorTrain(Resident):
                 self.server = WeightServer(self.staged, ctx.sync_send_group, ctx.device, address)
 
     def logprobs(self, batch: Batch) -> Batch | None:
-        logprobs = self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"])
+        replay = {"routed_experts": batch["routed_experts"]} if "routed_experts" in batch else {}
+        logprobs = self.trainer.logprobs(batch["prompt_ids"], batch["response_ids"], **replay)
         return None if logprobs is None else {"old_logprobs": logprobs}
 
     def train_step(self, batch: Batch, lr: float) -> Batch:
         columns = {k: batch[k] for k in ("old_logprobs", "ref_logprobs", "advantages", "importance_weights",
                                          "loss_mask") if k in batch}
-        metrics = self.trainer.train_step(Samples(batch["prompt_ids"], batch["response_ids"], columns), lr)
+        samples = Samples(batch["prompt_ids"], batch["response_ids"], columns, batch.get("routed_experts"))
+        metrics = self.trainer.train_step(samples, lr)
         return {"metrics": [metrics]}
 
     def stage_weights(self, version: int, digest: bool) -> list[tuple[str, str]] | None:
@@ -216,7 +218,8 @@ class ActorInfer(Resident):
                 self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
             self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s(),
                                         job.rollout.max_num_seqs, owns_weights=not ctx.shared_weights,
-                                        lockstep=job.rollout.batching == "lockstep")
+                                        lockstep=job.rollout.batching == "lockstep",
+                                        record_routing=job.algorithm.router_replay)
         elif ctx.replica_leader:
             self.engine = generation_engine(name)(ctx.model_files.path, DTYPES[job.model.dtype],
                                                   tokenizer.eos_token_id, job.seed,
@@ -224,7 +227,8 @@ class ActorInfer(Resident):
                                                   gpu_memory_utilization=job.rollout.gpu_memory_utilization,
                                                   devices=ctx.replica_devices,
                                                   filtered_sampling=job.rollout.top_p < 1 or job.rollout.top_k > 0,
-                                                  max_num_seqs=job.rollout.max_num_seqs)
+                                                  max_num_seqs=job.rollout.max_num_seqs,
+                                                  record_routing=job.algorithm.router_replay)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
         self.episodes: MultiTurnRollout | None = None   # an env job's, built at its first round
@@ -260,7 +264,8 @@ class ActorInfer(Resident):
         out: Generation = self.engine.generate(batch["prompt_ids"], params, generator, batch["budgets"], stop)
         shift = behaviour_shift()   # 0 but in the mismatch tests
         logprobs = out.logprobs.with_values(out.logprobs.values + shift) if shift else out.logprobs
-        return {"response_ids": out.response_ids, "behaviour_logprobs": logprobs, "finished": out.finished}
+        routing = {} if out.routed_experts is None else {"routed_experts": out.routed_experts}
+        return {"response_ids": out.response_ids, "behaviour_logprobs": logprobs, "finished": out.finished, **routing}
 
     def play(self, batch: Batch, step: int, attempt: int = 0) -> Batch:
         """An env round: a whole trajectory per row (hpcrl.rollout.episodes), its prompt the episode's

@@ -22,6 +22,7 @@ from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import unpad
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.expert_load import ExpertLoad
+from hpcrl.engines.router_replay import MegatronReplay, padded_routing
 from hpcrl.engines.lr_schedule import set_learning_rate
 from hpcrl.engines.megatron.cpu_shim import on_cpu_shim
 from hpcrl.engines.megatron.groups import default_group_is, gloo_twin, pg_collection
@@ -70,6 +71,7 @@ class MegatronTrainer:
         self._expert_load: ExpertLoad | None = None   # a MoE model's routing, counted while a train step runs
         self._keep: torch.Tensor | None = None        # the real tokens of the training forward under way
         self._real_tokens = 0.0                       # the minibatch's, over the DP ranks
+        self._replays: list[MegatronReplay] = []      # this stage's routers' (algorithm.router_replay)
         self._host: list = []   # host copies of the offloaded state, kept for the next offload
         self._away = False
         if not trainable:
@@ -78,6 +80,8 @@ class MegatronTrainer:
             self.model.eval()
             return
         self._count_routing()
+        if job.algorithm.router_replay:
+            self._replay_routing()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.model = DistributedDataParallel(self.config, ddp_config, self.model, pg_collection=self.pgc)
         load_gpt_weights(self.gpt, files, self.pgc)   # into DDP's buffer, before the optimizer copies fp32 masters
@@ -118,10 +122,16 @@ class MegatronTrainer:
                 groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp, at_least=int(most))
             shape = {"width": max(1, cut.width(prompts.lengths, responses.lengths)),
                      "resp_width": max(1, responses.max_length())}
-        return [(rows, pack(prompts.take(rows), responses.take(rows), self.pad_id,
-                            {k: v.take(rows) for k, v in samples.columns.items()}, **shape,
-                            multiple=self.pgc.tp.size() if self.config.sequence_parallel else 1))
-                for rows in groups]
+        micro = [(rows, pack(prompts.take(rows), responses.take(rows), self.pad_id,
+                             {k: v.take(rows) for k, v in samples.columns.items()}, **shape,
+                             multiple=self.pgc.tp.size() if self.config.sequence_parallel else 1))
+                 for rows in groups]
+        if samples.routed_experts is not None and self._replays:
+            for rows, mb in micro:
+                mb["routed_experts"] = padded_routing(samples.routed_experts.take(rows), prompts.lengths[rows],
+                                                      responses.lengths[rows], self.config.num_layers,
+                                                      self.config.moe_router_topk, width=mb["tokens"].shape[1])
+        return micro
 
     def _run(self, micro: list[tuple[np.ndarray, dict[str, torch.Tensor]]], loss_func, forward_only: bool
              ) -> list[dict]:
@@ -134,21 +144,43 @@ class MegatronTrainer:
             positions = torch.arange(length, device=self.device).expand_as(mb["tokens"])
             if self._expert_load is not None and not forward_only:   # the routers count its real tokens
                 self._keep = self._routed_tokens(mb["token_mask"])
+            forced = self._routed_tokens(mb["routed_experts"]) if "routed_experts" in mb else None
+            for replay in self._replays:   # kept for a recomputed forward (pp = 1: before the next)
+                replay.forced = forced
             output = model(mb["tokens"], positions, causal_mask(length, self.device))
             self._keep = None
             return output, partial(loss_func, mb)
 
-        return self.forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-                                     num_microbatches=len(batches), seq_length=batches[0]["tokens"].shape[1],
-                                     micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
+        outputs = self.forward_backward(forward_step_func=forward_step, data_iterator=iter(batches),
+                                        model=[self.model], num_microbatches=len(batches),
+                                        seq_length=batches[0]["tokens"].shape[1],
+                                        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
+        for replay in self._replays:
+            replay.forced = None
+        return outputs
 
-    def _routed_tokens(self, token_mask: torch.Tensor) -> torch.Tensor:
-        """Which of the tokens a router of this rank sees are real: megatron runs [L, N] (sequence
-        first), each TP rank its chunk of the positions under sequence parallelism."""
-        by_position = token_mask.t()
+    def _routed_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[N, L, ...] values of the tokens (which are real, the experts to replay) as a router of this
+        rank sees the tokens: megatron runs [L, N] (sequence first), each TP rank its chunk of the
+        positions under sequence parallelism."""
+        by_position = per_token.transpose(0, 1)
         if self.config.sequence_parallel:
             by_position = by_position.chunk(self.pgc.tp.size())[self.pgc.tp.rank()]
-        return by_position.reshape(-1)
+        return by_position.reshape(-1, *per_token.shape[2:])
+
+    def _replay_routing(self) -> None:
+        """Each router of this stage replays the rollout's routing of the micro-batch under way
+        (hpcrl.engines.router_replay.MegatronReplay, in megatron-core's hook for replay)."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        def seen(own: torch.Tensor, forced: torch.Tensor) -> None:
+            if self._expert_load is not None and self._keep is not None:
+                self._expert_load.count_replay(own, forced, self._keep)
+
+        for module in self.gpt.modules():
+            if isinstance(module, TopKRouter):
+                module.router_replay = MegatronReplay(module, seen)
+                self._replays.append(module.router_replay)
 
     def _count_routing(self) -> None:
         """Hooks on the MoE layers: their routers count, during a train step's forwards, where the
@@ -202,16 +234,18 @@ class MegatronTrainer:
 
     @on_cpu_shim
     @torch.no_grad()
-    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged) -> Ragged | None:
+    def logprobs(self, prompt_ids: Ragged, response_ids: Ragged, routed_experts: Ragged | None = None
+                 ) -> Ragged | None:
         """Per-token log-probabilities of the responses, on the last pipeline stage (where the
-        logits are; None on the other stages)."""
+        logits are; None on the other stages); routed as the rollout routed them, given its
+        `routed_experts` (algorithm.router_replay)."""
         self.model.eval()
 
         def loss_func(mb, logits):
             logp, _ = self._response_logprobs(mb, logits, with_entropy=False)
             return logp.sum() * 0, mb["response_mask"].sum().int(), {"logprobs": logp.cpu()}
 
-        micro = self._micro_batches(Samples(prompt_ids, response_ids, {}))
+        micro = self._micro_batches(Samples(prompt_ids, response_ids, {}, routed_experts))
         outputs = self._run(micro, loss_func, forward_only=True)
         if not self._last_stage:
             return None
@@ -252,7 +286,8 @@ class MegatronTrainer:
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
-                                    {k: v.take(index) for k, v in samples.columns.items()})
+                                    {k: v.take(index) for k, v in samples.columns.items()},
+                                    None if samples.routed_experts is None else samples.routed_experts.take(index))
                 if self._expert_load is not None:   # the load-balancing loss's weights
                     self._real_tokens = self._dp_sum(float(minibatch.prompt_ids.lengths.sum()
                                                            + minibatch.response_ids.lengths.sum()))
