@@ -498,38 +498,39 @@ class JobConfig(Schema):
             if engine == "torch" and name in ("actor_train", "critic") and self.model.dtype == "float16":
                 raise ValueError(f"model.dtype: float16 training needs loss scaling, which the torch engine (roles."
                                  f"{name}) does not do; use bfloat16, or engine: deepspeed or megatron (they scale)")
-            if self.algorithm.moe_aux_loss_coef > 0 and name == "actor_train":
-                self._check_aux_loss(engine)
-            if self.algorithm.router_replay and name == "actor_train":
-                self._check_router_replay(engine)
+            if name == "actor_train":
+                self._check_router_options(engine)
             refused = role_refusals(name, engine) + parallel_refusals(name, engine, role.parallel.model_dump())
             if refused:   # the model's sizes are checked by the plan (hpcrl.placement), from the same table
                 raise ValueError("; ".join(refused))
         return self
 
-    def _check_aux_loss(self, engine: str) -> None:
-        if self.model.arch not in MOE_ARCHS:
-            raise ValueError(f"algorithm.moe_aux_loss_coef: arch {self.model.arch} has no router to balance; "
-                             "remove it or use a mixture-of-experts arch")
-        if engine == "deepspeed":
-            raise ValueError("algorithm.moe_aux_loss_coef: the deepspeed engine adds no load-balancing loss; use "
-                             "engine torch or megatron for roles.actor_train")
-        if engine == "megatron" and self.train.recompute:
-            raise ValueError("algorithm.moe_aux_loss_coef: megatron recomputes a layer's forward without the "
-                             "tokens' mask the loss needs; remove train.recompute or the loss")
-
-    def _check_router_replay(self, engine: str) -> None:
-        """Rollout records the routing on both its engines; the trainer replays it on torch and megatron."""
-        if self.model.arch not in MOE_ARCHS:
-            raise ValueError(f"algorithm.router_replay: arch {self.model.arch} has no router to replay; remove it or "
-                             "use a mixture-of-experts arch")
-        if engine == "deepspeed":
-            raise ValueError("algorithm.router_replay: roles.actor_train.engine is deepspeed, whose routers are not "
-                             "hooked to the recorded routing; use engine torch or megatron, or remove router_replay")
-        if engine == "megatron" and self.train.recompute and self.roles.actor_train.parallel.pp > 1:
-            raise ValueError("algorithm.router_replay: with train.recompute and pipeline stages (roles.actor_train."
-                             "parallel.pp > 1) megatron recomputes a micro-batch's layers after later micro-batches' "
-                             "forwards, which would replay their routing; remove train.recompute or use pp: 1")
+    def _check_router_options(self, engine: str) -> None:
+        """algorithm.moe_aux_loss_coef and router_replay need a MoE arch and an actor_train engine that
+        runs them (rollout records the routing on both its engines)."""
+        replay_recomputed = self.train.recompute and self.roles.actor_train.parallel.pp > 1
+        options = {   # option: (in use, what a router does for it, why each engine cannot)
+            "moe_aux_loss_coef": (self.algorithm.moe_aux_loss_coef > 0, "balance", {
+                "deepspeed": "the deepspeed engine adds no load-balancing loss; use engine torch or megatron for "
+                             "roles.actor_train",
+                "megatron": self.train.recompute and "megatron recomputes a layer's forward without the tokens' mask "
+                                                     "the loss needs; remove train.recompute or the loss"}),
+            "router_replay": (self.algorithm.router_replay, "replay", {
+                "deepspeed": "roles.actor_train.engine is deepspeed, whose routers are not hooked to the recorded "
+                             "routing; use engine torch or megatron, or remove router_replay",
+                "megatron": replay_recomputed and "with train.recompute and pipeline stages (roles.actor_train."
+                                                  "parallel.pp > 1) megatron recomputes a micro-batch's layers after "
+                                                  "later micro-batches' forwards, which would replay their routing; "
+                                                  "remove train.recompute or use pp: 1"}),
+        }
+        for option, (used, verb, refusals) in options.items():
+            if not used:
+                continue
+            if self.model.arch not in MOE_ARCHS:
+                raise ValueError(f"algorithm.{option}: arch {self.model.arch} has no router to {verb}; remove it or "
+                                 "use a mixture-of-experts arch")
+            if refusals.get(engine):
+                raise ValueError(f"algorithm.{option}: {refusals[engine]}")
 
     def _check_domains(self) -> None:
         tags = [d.tag for d in self.datasets or []]
