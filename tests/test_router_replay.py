@@ -127,6 +127,28 @@ def test_the_trainer_routes_as_told_with_its_own_gates_and_counts_what_replay_ch
     assert metrics["router_flip_frac"] == 0.0
 
 
+def test_a_replica_without_rows_replies_with_an_empty_routing_column(tmp_path):
+    """A round with fewer rows than rollout replicas leaves one with none: its reply must still have
+    the column, or joining the replicas' replies (keyed by the first) drops every replica's routing."""
+    job = _job()
+    model = load_full(random_files(job, TOKENIZER, tmp_path), torch.float32)
+    sampler = NativeSampler(model, TOKENIZER.eos_token_id, TOKENIZER.pad_token_id, record_routing=True)
+    out = sampler.generate(Ragged.empty(0, np.int32), SamplingParams(4), torch.Generator().manual_seed(0))
+    assert out.routed_experts is not None and len(out.routed_experts) == 0 and out.routed_experts.dtype == np.uint8
+
+
+def test_a_routing_row_that_does_not_fit_its_sample_is_refused():
+    """Whole positions of layers x top-k, at most the prompt and response but the last token."""
+    prompts, responses = np.array([3, 2]), np.array([2, 1])
+    fits = Ragged.from_rows([[1, 2, 3, 0] * 4, [0, 1, 2, 3] * 2], np.uint8)   # 2 layers x top-2
+    padded = router_replay.padded_routing(fits, prompts, responses, 2, 2)
+    assert padded.shape == (2, 5, 2, 2) and padded.dtype == torch.int16
+    assert padded[0, 0, 0].tolist() == [1, 2] and (padded[1, :1] == -1).all() and padded[1, 1, 1].tolist() == [2, 3]
+    for wrong in ([[1, 2, 3] * 3, [0] * 8], [[1, 2, 3, 0] * 5, [0] * 8]):   # not whole positions; one too many
+        with pytest.raises(ValueError, match="router replay: sample 0's routing"):
+            router_replay.padded_routing(Ragged.from_rows(wrong, np.uint8), prompts, responses, 2, 2)
+
+
 @pytest.mark.parametrize("keep_cache", [True, False])
 def test_a_trajectorys_routing_covers_its_whole_conversation_across_kept_caches(keep_cache):
     """Multi-turn rollout: each turn prefills only its new tokens on the trajectory's kept cache, whose
@@ -191,4 +213,5 @@ def test_grpo_with_router_replay_runs_and_in_fp32_rollout_and_trainer_route_alik
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
+    assert all("router_flip_frac" in m for m in metrics), "the train steps replayed recorded routing"
     assert all(m["router_flip_frac"] < 0.01 and m["rollout_logprob_gap_max"] < 1e-5 for m in metrics), metrics

@@ -55,8 +55,11 @@ class Generation:
     routed_experts: Ragged | None = None   # a MoE model's routing, when recorded (hpcrl.engines.router_replay)
 
     @classmethod
-    def empty(cls, rows: int) -> Generation:
-        return cls(Ragged.empty(rows, np.int32), Ragged.empty(rows, np.float32), np.ones(rows, dtype=bool))
+    def empty(cls, rows: int, routing: type | None = None) -> Generation:
+        """No tokens; with `routing` (an index dtype: recorded), no routing either, so that every
+        replica's reply has the same columns."""
+        return cls(Ragged.empty(rows, np.int32), Ragged.empty(rows, np.float32), np.ones(rows, dtype=bool),
+                   None if routing is None else Ragged.empty(rows, routing))
 
 
 class NativeSampler:
@@ -145,7 +148,7 @@ class NativeSampler:
         batch's last one ends, and only then do waiting prompts join."""
         count = len(prompts)
         if not count:
-            return Generation.empty(0)
+            return Generation.empty(0, None if self.recorder is None else self.recorder.dtype)
         training = self.model.training   # a trainer's model (owns_weights false) goes back to training mode
         self.model.eval()
         budgets = np.asarray(budgets if budgets is not None else np.full(count, params.max_new_tokens))
@@ -223,10 +226,10 @@ class Decoding:
         self.active = np.zeros(0, np.int64)   # rows of the cache, in order
         self.cache, self.mask, self.logits, self.next_position = None, None, None, None
         self.cache_key = "past_key_values"
-        recorder = sampler.recorder   # router replay: the experts of every position each row feeds
+        # router replay: per row, the experts of its prompt's positions, and of each token it fed after
+        self.recorder = sampler.recorder
         self.prefill_routes: list[np.ndarray | None] = []
-        self.step_routes = (np.zeros((0, width, recorder.layers, recorder.top_k), recorder.dtype)
-                            if recorder is not None else None)
+        self.step_routes: list[np.ndarray] = []
 
     def add(self, prompts: list[np.ndarray], budgets: np.ndarray, seeds: np.ndarray,
             sessions: np.ndarray | None = None) -> np.ndarray:
@@ -244,10 +247,10 @@ class Decoding:
         self.lengths = np.concatenate([self.lengths, np.zeros(count, np.int64)])
         self.finished = np.concatenate([self.finished, budgets <= 0])
         self.sessions = np.concatenate([self.sessions, np.full(count, -1) if sessions is None else sessions])
-        if self.step_routes is not None:
+        if self.recorder is not None:
             self.prefill_routes.extend([None] * count)
-            self.step_routes = np.concatenate([self.step_routes, np.zeros((count, *self.step_routes.shape[1:]),
-                                                                          self.step_routes.dtype)])
+            self.step_routes.extend(np.zeros((max(0, int(budget)), self.recorder.layers, self.recorder.top_k),
+                                             self.recorder.dtype) for budget in budgets)
         rows = np.arange(first, first + count)
         self.waiting.extend(rows[budgets > 0].tolist())
         return rows
@@ -301,7 +304,7 @@ class Decoding:
         out, routes = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, width:],
                                     use_cache=True, **kwargs)
         if routes is not None:   # each row's real (not padding) positions, after its session's kept ones
-            real = new_mask.bool().numpy()
+            real = new_mask.bool().cpu().numpy()
             routes = routes.reshape(*real.shape, *routes.shape[1:])
             for index, row in enumerate(rows):
                 before = [] if kept[index] is None else [kept[index][1]]
@@ -380,7 +383,8 @@ class Decoding:
         if routes is not None:   # the token each unfinished row just fed (lock-step's finished rows feed filler)
             fed = ~self.finished[self.active]
             rows = self.active[fed]
-            self.step_routes[rows, self.lengths[rows] - 1] = routes[fed]
+            for row, position, route in zip(rows, self.lengths[rows] - 1, routes[fed]):
+                self.step_routes[row][position] = route
         self.cache_key, self.cache = _cache_of(out)
         self.logits = out.logits[:, -1]
         self.next_position = self.next_position + 1
@@ -397,17 +401,17 @@ class Decoding:
         """[positions, layers, top_k] experts of the positions a trainer's forward needs (router
         replay): the row's prompt's and its response's but the last token's; None when not recorded
         (or for a row cut before it started)."""
-        if self.step_routes is None or self.prefill_routes[row] is None:
+        if self.recorder is None or self.prefill_routes[row] is None:
             return None
-        return np.concatenate([self.prefill_routes[row], self.step_routes[row, :max(0, self.lengths[row] - 1)]])
+        return np.concatenate([self.prefill_routes[row], self.step_routes[row][:max(0, self.lengths[row] - 1)]])
 
     def routed_experts(self) -> Ragged | None:
         """`routing_of` every row, flat (empty where none), when recorded."""
-        if self.step_routes is None:
+        if self.recorder is None:
             return None
-        empty = np.zeros(0, self.step_routes.dtype)
+        empty = np.zeros(0, self.recorder.dtype)
         return Ragged.from_arrays([empty if (r := self.routing_of(row)) is None else r.reshape(-1)
-                                   for row in range(len(self.prompts))], self.step_routes.dtype)
+                                   for row in range(len(self.prompts))], self.recorder.dtype)
 
     def generation(self) -> Generation:
         return Generation(Ragged.from_padded(self.tokens, self.lengths), Ragged.from_padded(self.logprobs, self.lengths),

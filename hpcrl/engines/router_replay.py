@@ -11,8 +11,11 @@ at the replayed experts, renormalised as the router does), so the router keeps i
 
 A sample's routing is one flat row of `positions x layers x top_k` expert indices (uint8 up to 256
 experts), over the positions the rollout fed through the model: its prompt and every response token
-but the last (never fed). The row travels and is checkpointed like any other per-sample column; a
-partial rollout's continuation prefills the whole prefix again, so its routing replaces the row.
+but the last (never fed). The row travels and is checkpointed like any other per-sample column. A
+partial rollout's continuation prefills the whole prefix again with the new weights, and its
+routing replaces the row: one routing must serve the trainer's single forward over the sample, and
+the latest is the one its last tokens were computed on (the earlier tokens keep their own
+behaviour log-probs, which the off-policy correction uses).
 """
 from __future__ import annotations
 
@@ -74,7 +77,8 @@ def replay_output(router: torch.nn.Module, output: tuple, forced: torch.Tensor) 
     """The router's (logits, weights, indices) with `forced` [tokens, top_k] experts wherever a token
     has them (-1: none, the router's own choice stays): the weights are the router's softmax at those
     experts, renormalised where the router renormalises (Mixtral always, Qwen-MoE with norm_topk_prob).
-    A token's own choice replayed gives bit-identical weights."""
+    A token's own choice replayed in the router's order gives bit-identical weights (in another
+    order, the experts' outputs are summed in that order: equal to rounding)."""
     logits, weights, indices = output
     indices = torch.where(forced[:, :1] >= 0, forced.to(indices.dtype), indices)
     chosen = torch.softmax(logits.float(), dim=-1).gather(1, indices)
@@ -85,12 +89,21 @@ def replay_output(router: torch.nn.Module, output: tuple, forced: torch.Tensor) 
 
 def padded_routing(routing: Ragged, prompt_lengths: np.ndarray, response_lengths: np.ndarray, layers: int,
                    top_k: int, width: int | None = None) -> torch.Tensor:
-    """Rows of recorded routing as [N, columns, layers, top_k] int64, -1 where a position has none
-    (padding, a response's last token, a row the rollout did not record): in `batch.pack`'s layout
-    (prompts left-padded to P, responses right-padded to R), or with `width` in megatron packing's
-    (each row from column 0, `width` columns)."""
+    """Rows of recorded routing as [N, columns, layers, top_k] int16 (the trainer's routers take
+    them as their indices), -1 where a position has none (padding, a response's last token, a row
+    the rollout did not record): in `batch.pack`'s layout (prompts left-padded to P, responses
+    right-padded to R), or with `width` in megatron packing's (each row from column 0, `width` columns).
+    A row that is not whole positions of this model, or has more than its sample feeds, is refused:
+    replayed shifted, it would route every token wrongly."""
     per_position = layers * top_k
     positions = routing.lengths // per_position
+    fed = np.maximum(prompt_lengths + response_lengths - 1, 0)
+    bad = np.flatnonzero((routing.lengths % per_position != 0) | (positions > fed))
+    if len(bad):
+        row = int(bad[0])
+        raise ValueError(f"router replay: sample {row}'s routing holds {routing.lengths[row]} expert indices, not "
+                         f"{layers} layers x top-{top_k} for each of at most {fed[row]} positions (its prompt and "
+                         "response but the last token): rollout recorded another model or layout")
     row = np.repeat(np.arange(len(routing)), positions)
     index = np.arange(int(positions.sum())) - np.repeat(np.cumsum(positions) - positions, positions)
     if width is None:
@@ -99,7 +112,7 @@ def padded_routing(routing: Ragged, prompt_lengths: np.ndarray, response_lengths
         column, width = np.where(index < prompt, width_p - prompt + index, width_p + index - prompt), width_p + width_r
     else:
         column = index
-    out = np.full((len(routing), width, layers, top_k), -1, np.int64)
+    out = np.full((len(routing), width, layers, top_k), -1, np.int16)
     out[row, column] = routing.values.reshape(-1, layers, top_k)
     return torch.from_numpy(out)
 
@@ -108,10 +121,10 @@ class MegatronReplay:
     """What megatron-core's TopKRouter takes as its `router_replay` (megatron.core.transformer.moe.
     router_replay.RouterReplay's hook into its top-k): the router's own top-k, with the experts of
     `forced` [tokens, layers, top_k] (-1: none) at its layer, and their scores gathered as megatron
-    gathers them for a replay (the softmax over the k after a Mixtral/Qwen3 renormalising router,
-    the full softmax's values before a Qwen2-MoE one). Unlike megatron's own RouterReplay it routes
-    the tokens without a record (padding, a response's last token) itself. `seen(own, forced)` is
-    told both, for the flip count."""
+    gathers them for a replay (the softmax over the k when the router renormalises the top-k,
+    Mixtral's and norm_topk_prob's; the full softmax's values otherwise). Unlike megatron's own
+    RouterReplay it routes the tokens without a record (padding, a response's last token) itself.
+    `seen(own, forced)` is told both, for the flip count."""
 
     def __init__(self, router: torch.nn.Module, seen: Callable[[torch.Tensor, torch.Tensor], None]):
         self.router = router   # its layer_number (1-based, over every stage) is set once the layer is built

@@ -257,10 +257,12 @@ class TorchTrainer:
         samples = Samples(prompt_ids, response_ids, {}, routed_experts)
         groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group, self.device)
         parts = []
-        for rows in groups:
-            batch, _ = self._micro_batch(samples, rows)
-            parts.append(unpad(compute(batch), response_ids.lengths[rows]))
-        self._replay = None
+        try:
+            for rows in groups:
+                batch, _ = self._micro_batch(samples, rows)
+                parts.append(unpad(compute(batch), response_ids.lengths[rows]))
+        finally:
+            self._replay = None
         return Ragged.concat(parts).take(np.argsort(np.concatenate(groups), kind="stable"))
 
     def logprobs(self, prompt_ids: Ragged, response_ids: Ragged, routed_experts: Ragged | None = None) -> Ragged:
@@ -295,38 +297,44 @@ class TorchTrainer:
         history: dict[str, list[float]] = {}
         layers, experts, top_k = self._router_shape
         self._expert_load = ExpertLoad(layers, experts, top_k, self.device) if layers else None
-        for _ in range(train.ppo_epochs):
-            for index in np.array_split(np.arange(n), train.minibatches):
-                prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
-                minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()},
-                                    None if samples.routed_experts is None else samples.routed_experts.take(index))
-                groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
-                tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
-                sequences = int(self._dp_sum(float(len(index))))
-                if self._expert_load is not None:   # the load-balancing loss's weights
-                    self._real_tokens = self._dp_sum(float(prompts.lengths.sum() + responses.lengths.sum()))
-                outputs = []
-                self._zero_grad()
-                for i, rows in enumerate(groups):
-                    batch, columns = self._micro_batch(minibatch, rows)
-                    loss, metrics = self._micro_loss(batch, columns, i == 0, tokens, sequences)
-                    # DP averages gradients; the shares are already normalised by the global totals (with
-                    # cp, each cp rank's gradient of the whole rows is cp times its part: see context_parallel)
-                    self._backward(loss * self.dp_size, last=i == len(groups) - 1)
-                    outputs.append(metrics)
-                grad_norm = self._step()
-                metrics = combine_micro_metrics(outputs, self.dp_size)
-                metrics["padding_fraction"] = cut.padding_fraction(prompts.lengths, responses.lengths, groups)
-                metrics["micro_batches"] = float(len(groups))
-                if grad_norm is not None:
-                    metrics["grad_norm"] = grad_norm
-                for key, value in metrics.items():
-                    history.setdefault(key, []).append(float(value))
-        self._replay = None
+        try:   # the replayed routing (router_replay) goes with the step, also when it fails
+            for _ in range(train.ppo_epochs):
+                for index in np.array_split(np.arange(n), train.minibatches):
+                    for key, value in self._train_minibatch(samples, index, cut).items():
+                        history.setdefault(key, []).append(float(value))
+        finally:
+            self._replay = None
         metrics = {key: sum(values) / len(values) for key, values in history.items()}
         if self._expert_load is not None:   # cp ranks record the same micro-batch losses
             metrics.update(self._expert_load.metrics(self._weights_group, self._cp_size))
             self._expert_load = None
+        return metrics
+
+    def _train_minibatch(self, samples: Samples, index: np.ndarray, cut: MicroBatching) -> dict[str, float]:
+        """One optimizer step on the rows `index` of the shard, micro-batch by micro-batch; its metrics."""
+        prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
+        minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()},
+                            None if samples.routed_experts is None else samples.routed_experts.take(index))
+        groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
+        tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
+        sequences = int(self._dp_sum(float(len(index))))
+        if self._expert_load is not None:   # the load-balancing loss's weights
+            self._real_tokens = self._dp_sum(float(prompts.lengths.sum() + responses.lengths.sum()))
+        outputs = []
+        self._zero_grad()
+        for i, rows in enumerate(groups):
+            batch, columns = self._micro_batch(minibatch, rows)
+            loss, metrics = self._micro_loss(batch, columns, i == 0, tokens, sequences)
+            # DP averages gradients; the shares are already normalised by the global totals (with
+            # cp, each cp rank's gradient of the whole rows is cp times its part: see context_parallel)
+            self._backward(loss * self.dp_size, last=i == len(groups) - 1)
+            outputs.append(metrics)
+        grad_norm = self._step()
+        metrics = combine_micro_metrics(outputs, self.dp_size)
+        metrics["padding_fraction"] = cut.padding_fraction(prompts.lengths, responses.lengths, groups)
+        metrics["micro_batches"] = float(len(groups))
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
         return metrics
 
     @property

@@ -99,7 +99,7 @@ class Group:
         if routed_experts is not None:
             if self.routed_experts is None:
                 self.routed_experts = [np.zeros(0, routed_experts.dtype) for _ in range(self.size)]
-            self.routed_experts[sample] = np.asarray(routed_experts)
+            self.routed_experts[sample] = np.array(routed_experts)   # a copy: not a view keeping the round's reply
 
     @property
     def done(self) -> bool:

@@ -151,13 +151,14 @@ class MegatronTrainer:
             self._keep = None
             return output, partial(loss_func, mb)
 
-        outputs = self.forward_backward(forward_step_func=forward_step, data_iterator=iter(batches),
-                                        model=[self.model], num_microbatches=len(batches),
-                                        seq_length=batches[0]["tokens"].shape[1],
-                                        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
-        for replay in self._replays:
-            replay.forced = None
-        return outputs
+        try:
+            return self.forward_backward(forward_step_func=forward_step, data_iterator=iter(batches),
+                                         model=[self.model], num_microbatches=len(batches),
+                                         seq_length=batches[0]["tokens"].shape[1],
+                                         micro_batch_size=batches[0]["tokens"].shape[0], forward_only=forward_only)
+        finally:   # the replayed routing goes with the call, also when it fails
+            for replay in self._replays:
+                replay.forced = None
 
     def _routed_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
         """[N, L, ...] values of the tokens (which are real, the experts to replay) as a router of this
