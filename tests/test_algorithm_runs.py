@@ -181,6 +181,13 @@ def test_gigpo_finds_the_turns_and_states_in_the_tokens_and_rewards_each_turns_a
     assert len({int(s[0, 0]), int(s[0, 1]), int(s[2, 0]), int(s[2, 1])}) == 4
     assert turns.token_turn.tolist() == [[0, -1, -1, 1, -1, -1, 2], [0, -1, -1, 1, -1, -1, -1],
                                          [0, -1, -1, 1, -1, -1, -1]]
+    # an env whose observation is not its state: sample 0's turns 1 and 2 saw (9, 9) after other
+    # histories, so they are other states; samples 0 and 1 share turn 1's history (7 vs 8: no)
+    history = Turns.of(prompts, responses, masks, torch.as_tensor(groups), history=True).states
+    assert history[0, 0] == history[1, 0] and len({int(history[0, 1]), int(history[0, 2]), int(history[1, 1])}) == 3
+    same_start = Ragged.from_rows([np.array([7, 9, 9, 8]), np.array([7, 9, 9, 7])], np.int32)
+    shared = Turns.of(prompts.slice(0, 2), same_start, masks.slice(1, 3), torch.as_tensor([0, 0]), history=True)
+    assert shared.states[0, 1] == shared.states[1, 1], "the same history is the same state"
 
     algo = load_job("jobs/tiny_frozenlake.yaml", ["algorithm.name=gigpo", "algorithm.kl_loss.coef=0"]).algorithm
     turn_rewards = Ragged.from_rows([np.array([0, 0, 0, 0, 0, 0, 1]), np.zeros(4), np.array([0, 0, 0, 1])],

@@ -31,6 +31,9 @@ class TextEnv(ABC):
     action_format: str = ""
     alphabet: str = ""
     invalid_reward: float = 0.0   # what an unparsable action earns (a format penalty when negative)
+    # whether an observation alone is the env's state (a grid game). False when it leaves out what came
+    # before (guess-number's "higher"): GiGPO then takes a turn's whole history as the state it acted from
+    observation_is_state: bool = True
 
     @abstractmethod
     def reset(self, seed: int) -> str:

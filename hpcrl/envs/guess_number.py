@@ -8,6 +8,7 @@ from hpcrl.envs.base import StepResult, TextEnv
 class GuessNumber(TextEnv):
     action_format = "a whole number"
     alphabet = "".join(sorted(set("0123456789- higher lower correct not a number guess")))
+    observation_is_state = False   # "higher" after 7 and after 3 are other states: the history is
 
     def __init__(self, low: int = 0, high: int = 15, invalid_reward: float = 0.0, guess_cost: float = 0.0):
         """`guess_cost` > 0 takes that much for every wrong guess: the game is to find the number in

@@ -34,12 +34,14 @@ class Advantages:
 def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np.ndarray, old_logprobs: Ragged,
                      ref_logprobs: Ragged | None, values: Ragged | None, kl_in_reward_coef: float,
                      loss_mask: Ragged | None = None, turn_rewards: Ragged | None = None,
-                     prompt_ids: Ragged | None = None, response_ids: Ragged | None = None) -> Advantages:
+                     prompt_ids: Ragged | None = None, response_ids: Ragged | None = None,
+                     history_states: bool = False) -> Advantages:
     """Advantages on every response token (on `old_logprobs`' rows); with gae also the returns.
     With a `loss_mask` (an env's trajectories) only the policy's tokens count: the KL in the reward,
     the discounted returns and the reward's place (the last generated token) skip the observations;
     `turn_rewards` place each turn's reward on its action (the rest of `rewards`, e.g. a shaping
-    term, on the last generated token). gigpo also needs the tokens, to find the states acted from."""
+    term, on the last generated token). gigpo also needs the tokens, to find the states acted from
+    (with `history_states`, a turn's whole history: an env whose observation is not its state)."""
     lengths = old_logprobs.lengths
     mask = length_mask(lengths)
     if loss_mask is not None:
@@ -68,7 +70,7 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
     if algo.advantage == "gigpo":
         if loss_mask is None or prompt_ids is None or response_ids is None:
             raise ValueError("advantage gigpo needs an env's trajectories (their turns and states)")
-        turns = Turns.of(prompt_ids, response_ids, loss_mask, torch.as_tensor(group_index))
+        turns = Turns.of(prompt_ids, response_ids, loss_mask, torch.as_tensor(group_index), history_states)
         per_turn = gigpo_advantages(turns.gather(token_rewards), turns.mask, turns.states,
                                     torch.as_tensor(group_index, dtype=torch.long), algo.gamma,
                                     algo.step_advantage_weight, algo.normalize_std)

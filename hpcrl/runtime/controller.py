@@ -31,6 +31,7 @@ from hpcrl.algos import adaptive_kl_coef
 from hpcrl.data import DomainSampler, fit_context, load_prompts
 from hpcrl.engines.digests import combine_digests
 from hpcrl.engines.lr_schedule import learning_rate
+from hpcrl.envs import EnvSpec
 from hpcrl.metrics import StepRecorder
 from hpcrl.placement.memory import ModelShape
 from hpcrl.ragged import Ragged
@@ -135,6 +136,9 @@ class Controller:
         # an env round plays whole trajectories: no round is cut for partial rollout
         self._interrupts = job.rollout.partial_rollout and job.rollout.max_staleness > 0 and job.env is None
         self.episode_stats: list[dict[str, np.ndarray]] = []   # env rounds' per-trajectory figures, per step
+        # gigpo: a turn's state is its whole history when the env's observation is not its state
+        self.history_states = job.env is not None and not EnvSpec(job.env.name, job.env.options).build(
+        ).observation_is_state
 
     def _prompts(self) -> tuple[dict[str, list], dict[str, list]]:
         """(training, evaluation) prompts by domain that fit the model's context with a whole
@@ -283,7 +287,8 @@ class Controller:
         self._add_time("logprobs", time.perf_counter() - started)
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
         found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef,
-                                 loss_mask, token_rewards, sequences["prompt_ids"], sequences["response_ids"])
+                                 loss_mask, token_rewards, sequences["prompt_ids"], sequences["response_ids"],
+                                 self.history_states)
         train_batch = {**actor, **columns, **found.columns}
         if loss_mask is not None:
             train_batch["loss_mask"] = loss_mask

@@ -4,7 +4,9 @@ A turn is a run of generated tokens (loss mask 1); the state it acted from is wh
 read from the env: the group's prompt (instructions and first observation) for the first turn, the
 observation tokens before it for the others. Two turns of a group acted from the same state when
 those tokens are equal, which needs no env-specific state and holds for any env whose observation
-is its state (a grid game; not a game whose observation leaves out what came before).
+is its state (a grid game). For an env whose observation leaves out what came before
+(TextEnv.observation_is_state false: guess-number's "higher"), a turn's state is its whole history,
+the prompt and every token before it.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ class Turns:
     states: Tensor       # [N, K] long: the state a turn acted from, an id equal only within a group
 
     @classmethod
-    def of(cls, prompt_ids: Ragged, response_ids: Ragged, loss_mask: Ragged, group_index: Tensor) -> Turns:
+    def of(cls, prompt_ids: Ragged, response_ids: Ragged, loss_mask: Ragged, group_index: Tensor,
+           history: bool = False) -> Turns:
+        """`history`: a turn's state is everything before it, not the observation just before it."""
         count, width = len(response_ids), int(response_ids.lengths.max(initial=0))
         token_turn = np.full((count, width), -1, np.int64)
         state_of: dict[tuple[int, bytes], int] = {}
@@ -37,7 +41,8 @@ class Turns:
             states = []
             for turn, (start, end) in enumerate(zip(starts, ends)):
                 token_turn[row, start:end] = turn
-                seen = np.asarray(prompt_ids[row]) if turn == 0 else ids[ends[turn - 1]:start]
+                seen = (np.asarray(prompt_ids[row]) if turn == 0 else ids[:start] if history
+                        else ids[ends[turn - 1]:start])
                 key = (int(group_index[row]), seen.astype(np.int32).tobytes())
                 states.append(state_of.setdefault(key, len(state_of)))
             per_sample.append(states)
