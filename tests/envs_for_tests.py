@@ -49,14 +49,18 @@ def gym_frozenlake() -> TextEnv:
 class Paced(TextEnv):
     """An episode of `length` steps whose every step takes `seed % 10 * delay_s` seconds; seed
     `raise_seed` raises at its first step, `hang_seed` hangs. Reward 1 at the end; observations
-    count the steps."""
+    count the steps. With `pid_dir`, each env process leaves a file there named by the pid of the
+    rank that started it (which rank hosts the envs)."""
 
     system_prompt = "go"
     alphabet = "0123456789 step"
 
-    def __init__(self, length: int = 3, delay_s: float = 0.05, raise_seed: int = 98, hang_seed: int = 99) -> None:
+    def __init__(self, length: int = 3, delay_s: float = 0.05, raise_seed: int = 98, hang_seed: int = 99,
+                 pid_dir: str | None = None) -> None:
         self.length, self.delay_s, self.seed, self.steps = length, delay_s, 0, 0
         self.raise_seed, self.hang_seed = raise_seed, hang_seed
+        if pid_dir is not None:
+            open(os.path.join(pid_dir, str(os.getppid())), "w").close()
 
     def reset(self, seed: int) -> str:
         self.seed, self.steps = seed, 0

@@ -4,6 +4,7 @@ trajectories and resumed bit for bit; envs that raise or hang fail their traject
 while the run goes on."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import REPO, hpcrl
 
 from hpcrl.metrics import read_metrics
@@ -53,13 +55,29 @@ def test_an_env_job_trains_on_masked_trajectories_and_resumes_its_buffer_bit_for
     assert again[-1]["success_rate"] == metrics[-1]["success_rate"]
 
 
-def test_envs_that_raise_or_hang_fail_their_trajectories_and_the_run_goes_on(tmp_path):
-    run_dir = tmp_path / "run"
-    result = hpcrl("run", "jobs/tiny_frozenlake.yaml", *SMALL, "--run-dir", str(run_dir), "--set", "train.steps=2",
-                   "--set", "env.name=tests.envs_for_tests:paced", "--set", "env.seeds=4",
-                   "--set", "env.options={length: 2, delay_s: 0.0, raise_seed: 1, hang_seed: 2}",
+HOSTS = {"rollout rank": [], "env rank": ["roles.env={parallel: {dp: 1}}"],
+         # one env rank answering two rollout ranks (rollout in the trainer's processes)
+         "env rank of two": ["roles.env={parallel: {dp: 1}}", "roles.actor_infer.colocate_with=actor_train",
+                             "roles.actor_infer.parallel.dp=2"]}
+
+
+@pytest.mark.parametrize("hosts", HOSTS)
+def test_envs_that_raise_or_hang_fail_their_trajectories_and_the_run_goes_on(tmp_path, hosts):
+    """The envs run as processes of the rollout rank, or of an env rank of their own (roles.env),
+    which kills and replaces them there and answers its rollout ranks' calls over MPI."""
+    run_dir, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    workers = [x for o in HOSTS[hosts] for x in ("--set", o)]
+    result = hpcrl("run", "jobs/tiny_frozenlake.yaml", *SMALL, *workers, "--run-dir", str(run_dir),
+                   "--set", "train.steps=2", "--set", "env.name=tests.envs_for_tests:paced", "--set", "env.seeds=4",
+                   "--set", f"env.options={{length: 2, delay_s: 0.0, raise_seed: 1, hang_seed: 2, pid_dir: {pids}}}",
                    "--set", "env.step_timeout_s=3", "--set", "env.max_turns=3", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads((run_dir / "ranks.json").read_text())
+    role = "env" if hosts.startswith("env rank") else "actor_infer"
+    # (every rank builds the env once for its tokenizer too, as a child of the launcher: not a rank's pid)
+    hosting = {int(p.name) for p in pids.iterdir()} & {r["pid"] for r in ranks.values()}
+    assert hosting == {r["pid"] for r in ranks.values() if r["roles"] == role}
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     # every seed is drawn once per 4 groups: each step has one raising and one hanging group of 4

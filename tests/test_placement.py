@@ -462,7 +462,11 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
      "algorithm.kl_loss.coef: 0.01 measures the KL to the reference policy"),
     (TINY, ["roles.actor_infer.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7"],
      "rollout.top_p/top_k with rollout.temperature 0.7 and engine vllm"),
-    (TINY, ["roles.env={}"], "roles.env: env workers on ranks of their own are not implemented yet"),
+    (TINY, ["roles.env={}"], "roles.env: env workers host the envs of a job's env section, and this job has none"),
+    (("jobs/tiny_frozenlake.yaml", "clusters/local.yaml"), ["roles.env={colocate_with: actor_infer}"],
+     "roles.env.colocate_with: an env rank answers a rollout rank's env calls while that rank decodes"),
+    (("jobs/tiny_frozenlake.yaml", "clusters/local.yaml"), ["roles.env={parallel: {dp: 2}}"],
+     "roles.env.parallel: 2 env ranks for 1 rollout ranks"),
     (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 response tokens leave no room for a prompt in the "
                                           "model's context of 64 positions (model.max_position_embeddings)"),
     (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, max_count, modulus, name"),

@@ -181,7 +181,8 @@ class EnvConfig(Schema):
     max_tokens: PositiveInt = Field(256, description="response tokens per trajectory, actions and observations")
     step_timeout_s: PositiveFloat = Field(30.0, description="an env call that takes longer is killed, its env "
                                           "replaced and its trajectory failed")
-    workers: PositiveInt = Field(16, description="env processes per rollout rank (trajectories played at once)")
+    workers: PositiveInt = Field(16, description="env processes per rollout rank (trajectories played at once), on "
+                                                 "the rollout rank, or with roles.env on its env rank")
     group_redundancy: NonNegativeInt = Field(0, description="extra trajectories started per group; the first "
                                              "algorithm.group_size to finish are kept, the rest aborted")
     chat: bool = Field(False, description="render turns with the tokenizer's chat template: instructions as the "
@@ -483,6 +484,9 @@ class JobConfig(Schema):
         elif self.algorithm.advantage == "gigpo":
             raise ValueError("algorithm.advantage: gigpo compares the turns of env trajectories that acted from the "
                              "same state; a job without an env section has one turn per response; use grpo")
+        elif self.roles.env is not None:
+            raise ValueError("roles.env: env workers host the envs of a job's env section, and this job has none; "
+                             "remove the role or add an env section")
         self._check_domains()
         for name, role in self.roles.items():
             allowed = ROLE_ENGINES[name]
@@ -566,6 +570,15 @@ class JobConfig(Schema):
         if self.env.max_tokens < self.rollout.max_new_tokens:
             raise ValueError(f"env.max_tokens: {self.env.max_tokens} is less than one turn's rollout.max_new_tokens "
                              f"= {self.rollout.max_new_tokens}; raise it")
+        workers, rollout_ranks = self.roles.env, self.roles.actor_infer.parallel.dp
+        if workers is not None:   # env ranks serve rollout ranks while those play: never the same process
+            if workers.colocate_with is not None:
+                raise ValueError("roles.env.colocate_with: an env rank answers a rollout rank's env calls while that "
+                                 "rank decodes, so it runs on ranks of its own; remove colocate_with")
+            if workers.parallel.world > rollout_ranks:
+                raise ValueError(f"roles.env.parallel: {workers.parallel.world} env ranks for {rollout_ranks} rollout "
+                                 f"ranks (roles.actor_infer.parallel.dp) would leave some idle; use at most "
+                                 f"{rollout_ranks}")
 
     def response_budget(self) -> int:
         """The longest response a sample may have: one answer's tokens, or a trajectory's."""

@@ -20,10 +20,8 @@ _MISSING = {
                       "on GPUs for tensor parallelism",
     ("vllm", "pp"): "hpcrl runs vLLM with tensor parallelism only; use tp (up to a node) and dp",
 }
-# Roles the runtime implements; the schema names the others so that jobs can be written ahead.
-IMPLEMENTED_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward")
-_PLANNED = {"env": "env workers on ranks of their own are not implemented yet; the envs of a job's env section "
-                   "run as processes of each rollout rank (env.workers of them)"}
+# Roles the runtime implements.
+IMPLEMENTED_ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward", "env")
 # (role, engine) pairs an engine cannot host, and why.
 _ROLE_ENGINE = {("critic", "megatron"): "hpcrl builds Megatron's GPTModel with a vocabulary head only, no value "
                                         "head; give the critic engine: torch (fsdp: true to shard it) or deepspeed "
@@ -60,7 +58,7 @@ class ModelDims:
 def role_refusals(role: str, engine: str) -> list[str]:
     """Why `role` cannot run at all, or not on `engine` (empty when it can)."""
     if role not in IMPLEMENTED_ROLES:
-        return [f"roles.{role}: {_PLANNED.get(role, 'no implementation')}; remove the role"]
+        return [f"roles.{role}: no implementation; remove the role"]
     if (role, engine) in _ROLE_ENGINE:
         return [f"roles.{role}.engine: {engine}: {_ROLE_ENGINE[role, engine]}"]
     return []

@@ -146,6 +146,10 @@ class EnvPool:
             slot.conn.close()
         slot.process, slot.conn, slot.deadline = None, None, None
 
+    def end_round(self) -> None:
+        """A rollout round is over: the envs stay for the next (hpcrl.runtime.env_workers ends a
+        remote pool's round here)."""
+
     def close(self) -> None:
         for slot in self.slots:
             self._stop(slot)

@@ -328,13 +328,14 @@ def trajectory_metrics(trajectories: list[Trajectory], failures: Counter) -> dic
     }
 
 
-def multi_turn_rollout(job: JobConfig, sampler: NativeSampler, tokenizer) -> MultiTurnRollout:
-    """A rollout rank's multi-turn rollout for the job's `env`: `env.workers` env processes, turns of
-    `rollout.max_new_tokens` tokens, the job's sampling settings."""
+def multi_turn_rollout(job: JobConfig, sampler: NativeSampler, tokenizer, pool=None) -> MultiTurnRollout:
+    """A rollout rank's multi-turn rollout for the job's `env`: `env.workers` env processes (here, or
+    `pool`: on an env rank), turns of `rollout.max_new_tokens` tokens, the job's sampling settings."""
     config, rollout = job.env, job.rollout
     spec = EnvSpec(config.name, config.options)
     turns = TurnFormat(tokenizer, config.chat)
     params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
-    return MultiTurnRollout(sampler, EnvPool(spec, config.workers, config.step_timeout_s), spec.build(), turns, params,
+    pool = pool if pool is not None else EnvPool(spec, config.workers, config.step_timeout_s)
+    return MultiTurnRollout(sampler, pool, spec.build(), turns, params,
                             config.max_turns, rollout.max_new_tokens, config.max_tokens,
                             lockstep=rollout.batching == "lockstep")

@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             stage = sync.sources.index(rank) if rank in sync.sources else None
             sources = [(s, None if src == rank else groups.sync[s], src) for s, src in enumerate(sync.sources)
                        ] if rank in sync.loaders else []
+            envs = _env_assignment(layout, rank)
             # the trainer first: a rollout that samples with its weights takes them from it
             for name in sorted(layout.roles_on(rank), key=lambda role: role != "actor_train"):
                 replica = layout.roles[name].replica_of(rank)
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                                   sync_send_group=groups.sync.get(stage) if name == "actor_train" else None,
                                   sync_sources=sources if name == "actor_infer" else [],
                                   sync_loaders=tuple(sync.loaders), sync_direct=direct,
-                                  shared_weights=layout.shared_weights, context_groups=groups.context.get(name))
+                                  shared_weights=layout.shared_weights, context_groups=groups.context.get(name),
+                                  **envs.get(name, {}))
                 peers[name] = ROLE_CLASSES[name](ctx)
                 if name in layout.movable:   # the controller brings it back for its first stage
                     peers[name].offload()
@@ -222,6 +224,24 @@ def main(argv: list[str] | None = None) -> int:
         if rank == CONTROLLER:
             abort(f"hpcrl: the controller (rank 0) failed:\n{traceback.format_exc()}\nhpcrl: aborting all ranks.")
         report_and_wait(role, "setup")
+
+
+def _env_assignment(layout, rank: int) -> dict[str, dict]:
+    """With env ranks (roles.env): this rank's env rank as a rollout replica leader, or the rollout
+    leaders it serves as an env rank (hpcrl.runtime.env_workers); nothing without them."""
+    from hpcrl.runtime.env_workers import clients_of, env_rank_of
+
+    if "env" not in layout.roles:
+        return {}
+    infer = layout.roles["actor_infer"]
+    leaders = [r for r in infer.ranks if infer.replica_of(r)[0] == r]
+    env_ranks = sorted(layout.roles["env"].ranks)
+    found: dict[str, dict] = {}
+    if rank in leaders:
+        found["actor_infer"] = {"env_rank": env_rank_of(rank, leaders, env_ranks)}
+    if rank in env_ranks:
+        found["env"] = {"env_clients": clients_of(rank, leaders, env_ranks)}
+    return found
 
 
 if __name__ == "__main__":

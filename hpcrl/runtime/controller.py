@@ -171,6 +171,8 @@ class Controller:
             rows = {"env_seed": np.array([int(g.answer) for g, _ in found.samples], np.int64),
                     "group": np.array([g.group_id for g, _ in found.samples], np.int64)}
             pending = self.groups["actor_infer"].call("play", Dispatch.DP_SPLIT, rows, found.batch, found.index)
+            if "env" in self.groups:   # env ranks answer the round's env calls until its rollout ranks are done
+                pending = _All(pending, self.groups["env"].call("serve_round", Dispatch.ONE_TO_ALL))
         else:
             pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
                                                       found.prompts(self.job.rollout.max_new_tokens), found.batch,
@@ -198,7 +200,7 @@ class Controller:
         self._add_time("rollout", time.perf_counter() - flight.started)
         started = time.perf_counter()
         if self.job.env is not None:
-            self._finish_episodes(flight.round, result)
+            self._finish_episodes(flight.round, result[0] if isinstance(flight.pending, _All) else result)
             return
         done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
                                            result["finished"], routed_experts=result.get("routed_experts"))

@@ -13,6 +13,7 @@ TAG_HEARTBEAT = 15  # worker -> controller, every watchdog.heartbeat_s: alive, a
 TAG_DUMP = 16    # controller -> worker: print every thread's Python stack (a hang is being reported)
 TAG_ADDRESS = 17  # trainer stage leader -> vLLM replica leader: where its workers meet it for NCCL
 TAG_INTERRUPT = 18  # controller -> rollout replica: end generation round (batch, index) now (partial rollout)
+TAG_ENV = 19     # rollout replica <-> its env rank: env calls, their answers, the end of a round (roles.env)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ from hpcrl.ragged import Batch
 from hpcrl.rewards import reward_specs, score_batch
 from hpcrl.rollout.episodes import play
 from hpcrl.rollout.multi_turn import MultiTurnRollout, multi_turn_rollout
+from hpcrl.envs import EnvSpec
+from hpcrl.envs.host import EnvPool
+from hpcrl.runtime.env_workers import RemoteEnvPool, serve_round
 from hpcrl.runtime.faults import behaviour_shift, decode_delay_s
 from hpcrl.runtime.interrupts import round_stop
 from hpcrl.runtime.messages import TAG_ADDRESS
@@ -54,6 +57,8 @@ class RoleContext:
     sync_direct: bool = False            # vLLM on GPUs of its own: its TP workers receive over NCCL
     shared_weights: bool = False         # native rollout samples with this rank's actor_train parameters
     context_groups: tuple | None = None  # (cp group, dp x cp group): engine torch with context parallelism
+    env_rank: int | None = None          # a rollout replica leader's env rank (roles.env), None: envs run here
+    env_clients: tuple[int, ...] = ()    # an env rank's rollout replica leaders
 
 
 def training_engine_for(role: str, ctx: RoleContext, trainable: bool) -> TrainingEngine:
@@ -272,10 +277,14 @@ class ActorInfer(Resident):
         first observation, its response the actions and observations after it."""
         env = self.job.env
         if self.episodes is None:   # the env processes start with the first round
-            self.episodes = multi_turn_rollout(self.job, self.engine, self.ctx.tokenizer)
+            remote = None if self.ctx.env_rank is None else RemoteEnvPool(self.ctx.env_rank, env.workers)
+            self.episodes = multi_turn_rollout(self.job, self.engine, self.ctx.tokenizer, remote)
         seeds = np.random.default_rng([self.job.seed, step, attempt, self.ctx.dp_index]).integers(
             0, 2 ** 62, len(batch["env_seed"]))
-        return play(self.episodes, batch["env_seed"], batch["group"], seeds, env.group_redundancy)
+        try:
+            return play(self.episodes, batch["env_seed"], batch["group"], seeds, env.group_redundancy)
+        finally:
+            self.episodes.pool.end_round()
 
     def receive_weights(self, digest: bool) -> str | None:
         """Load the pushed weights, every trainer stage at once, bucket by bucket; with `digest`, the
@@ -316,5 +325,18 @@ class Reward:
         return {"rewards": rewards, "codes": codes}
 
 
+class Env:
+    """Env workers (roles.env): `env.workers` env processes for each rollout rank this rank serves,
+    answering their env calls while a round runs (hpcrl.runtime.env_workers)."""
+
+    def __init__(self, ctx: RoleContext):
+        config = ctx.job.env
+        spec = EnvSpec(config.name, config.options)
+        self.pools = {client: EnvPool(spec, config.workers, config.step_timeout_s) for client in ctx.env_clients}
+
+    def serve_round(self) -> dict[str, float]:
+        return serve_round(self.pools)
+
+
 ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "critic": Critic, "actor_infer": ActorInfer,
-                "reward": Reward}
+                "reward": Reward, "env": Env}
