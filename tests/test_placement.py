@@ -435,6 +435,7 @@ def test_rejects_more_slots_than_the_cluster_has():
 
 SEVEN_B = "jobs/qwen2.5-7b-grpo.yaml", "clusters/example-4x8-h100.yaml"
 TINY = "jobs/tiny_grpo.yaml", "clusters/local.yaml"
+FROZEN = "jobs/tiny_frozenlake.yaml", "clusters/local.yaml"
 REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (job, cluster), --set, the key named
     (SEVEN_B, ["roles.actor_train.parallel.cp=2"], "roles.actor_train.parallel.cp: cp = 2, but context parallelism"),
     (SEVEN_B, ["roles.actor_train.parallel.ep=2"], "roles.actor_train.parallel.ep: ep = 2 splits the experts of a "
@@ -463,10 +464,13 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["roles.actor_infer.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7"],
      "rollout.top_p/top_k with rollout.temperature 0.7 and engine vllm"),
     (TINY, ["roles.env={}"], "roles.env: env workers host the envs of a job's env section, and this job has none"),
-    (("jobs/tiny_frozenlake.yaml", "clusters/local.yaml"), ["roles.env={colocate_with: actor_infer}"],
-     "roles.env.colocate_with: an env rank answers a rollout rank's env calls while that rank decodes"),
-    (("jobs/tiny_frozenlake.yaml", "clusters/local.yaml"), ["roles.env={parallel: {dp: 2}}"],
-     "roles.env.parallel: 2 env ranks for 1 rollout ranks"),
+    (FROZEN, ["roles.env={colocate_with: actor_infer}"],
+     "roles.env.colocate_with: an env rank answers its rollout ranks' env calls while they decode"),
+    (FROZEN, ["roles.env={parallel: {dp: 1}}", "roles.actor_infer={engine: native, colocate_with: env}"],
+     "roles.actor_infer.colocate_with: an env rank answers"),
+    (FROZEN, ["roles.env={parallel: {dp: 2}}"], "roles.env.parallel: 2 env ranks for 1 rollout ranks"),
+    (FROZEN, ["roles.env={parallel: {tp: 2}}", "roles.actor_infer.parallel.dp=2"],
+     "roles.env.parallel.tp: tp = 2, but the text engine is data parallel only"),
     (TINY, ["rollout.max_new_tokens=64"], "rollout.max_new_tokens: 64 response tokens leave no room for a prompt in the "
                                           "model's context of 64 positions (model.max_position_embeddings)"),
     (TINY, ["task.eval_size=8"], "task.eval_size: unknown key. Allowed here: digits, max_count, modulus, name"),
@@ -495,6 +499,16 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (TINY, ["model.arch=qwen3_moe", "model.num_experts=2", "model.experts_per_token=3"],
      "experts_per_token 3 is more than num_experts 2"),
 ]
+
+
+def test_env_ranks_are_counted_against_the_rollout_ranks_the_plan_resolves():
+    """A colocated rollout without its own `parallel` takes its target's sizes: two rollout ranks,
+    so two env ranks (one each) are a valid plan, on slots of their own."""
+    job = load_job(REPO_ROOT / FROZEN[0], ["roles.actor_infer={engine: native, colocate_with: actor_train}",
+                                           "roles.env={parallel: {dp: 2}}"])
+    roles = compile_plan(job, load_profile()).roles
+    assert len(roles["actor_infer"].slots) == len(roles["env"].slots) == 2
+    assert not set(roles["env"].slots) & set(roles["actor_infer"].slots)
 
 
 @pytest.mark.parametrize("files, overrides, message", REFUSED, ids=[m.split(":")[0] + f"[{i}]"

@@ -570,15 +570,13 @@ class JobConfig(Schema):
         if self.env.max_tokens < self.rollout.max_new_tokens:
             raise ValueError(f"env.max_tokens: {self.env.max_tokens} is less than one turn's rollout.max_new_tokens "
                              f"= {self.rollout.max_new_tokens}; raise it")
-        workers, rollout_ranks = self.roles.env, self.roles.actor_infer.parallel.dp
-        if workers is not None:   # env ranks serve rollout ranks while those play: never the same process
-            if workers.colocate_with is not None:
-                raise ValueError("roles.env.colocate_with: an env rank answers a rollout rank's env calls while that "
-                                 "rank decodes, so it runs on ranks of its own; remove colocate_with")
-            if workers.parallel.world > rollout_ranks:
-                raise ValueError(f"roles.env.parallel: {workers.parallel.world} env ranks for {rollout_ranks} rollout "
-                                 f"ranks (roles.actor_infer.parallel.dp) would leave some idle; use at most "
-                                 f"{rollout_ranks}")
+        if self.roles.env is not None:   # env ranks serve rollout ranks while those play: never the same process
+            shared = [f"roles.{name}.colocate_with" for name, role in self.roles.items()
+                      if (name == "env" and role.colocate_with is not None) or role.colocate_with == "env"]
+            if shared:
+                raise ValueError(f"{shared[0]}: an env rank answers its rollout ranks' env calls while they decode, "
+                                 "and a rank runs one call at a time, so the env role runs on ranks of its own; "
+                                 "remove the colocation")
 
     def response_budget(self) -> int:
         """The longest response a sample may have: one answer's tokens, or a trajectory's."""

@@ -71,7 +71,7 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
     sizes = {axis: int(parallel.get(axis, 1)) for axis in ("tp", "pp", "cp", "ep")}
     out = []
     for axis, size in sizes.items():
-        if size > 1 and axis not in MODEL_PARALLEL[engine]:
+        if size > 1 and axis not in MODEL_PARALLEL.get(engine, ()):   # rule, text: no model to split
             reason = _MISSING.get((engine, axis), f"the {engine} engine is data parallel only")
             out.append(f"roles.{role}.parallel.{axis}: {axis} = {size}, but {reason}")
     if dims is None:

@@ -85,8 +85,11 @@ class EnvPool:
         if slot.process is None:
             self._start(slot)
             allowance = START_ALLOWANCE_S
-        slot.conn.send((kind, payload))
         slot.deadline = time.monotonic() + self.step_timeout_s + allowance
+        try:
+            slot.conn.send((kind, payload))
+        except OSError:   # the process died since its last call: `collect` reads its closed socket and says so
+            pass
 
     def pending(self) -> list[int]:
         return [i for i, slot in enumerate(self.slots) if slot.deadline is not None]

@@ -94,10 +94,15 @@ def _resolve_roles(job: JobConfig) -> dict[str, _Role]:
             return parallel_of(config.colocate_with)
         return config.parallel
 
-    return {name: _Role(name=name, engine=job.engine(name), parallel=parallel_of(name), stages=job.stages(name),
-                        colocate_with=config.colocate_with,
-                        nodes=config.placement.nodes if config.placement is not None else None)
-            for name, config in configs.items()}
+    roles = {name: _Role(name=name, engine=job.engine(name), parallel=parallel_of(name), stages=job.stages(name),
+                         colocate_with=config.colocate_with,
+                         nodes=config.placement.nodes if config.placement is not None else None)
+             for name, config in configs.items()}
+    if "env" in roles and roles["env"].world > roles["actor_infer"].parallel.dp:
+        rollout = roles["actor_infer"].parallel.dp
+        raise PlacementError(f"roles.env.parallel: {roles['env'].world} env ranks for {rollout} rollout ranks "
+                             f"(roles.actor_infer) would leave some idle; use at most {rollout}")
+    return roles
 
 
 GPU_ONLY_ENGINES = ("vllm",)

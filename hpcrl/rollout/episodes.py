@@ -59,7 +59,7 @@ def play(rollout: MultiTurnRollout, env_seeds: np.ndarray, groups: np.ndarray, s
             if recorder is not None:
                 columns["routed_experts"].append(np.zeros(0, recorder.dtype) if t.routing is None
                                                  else t.routing.reshape(-1))
-    order = np.argsort(np.concatenate([rows for rows in rows_of.values()]), kind="stable")
+    order = np.argsort(np.concatenate([np.zeros(0, np.int64), *rows_of.values()]), kind="stable")
     out: Batch = {name: Ragged.from_arrays([columns[name][i] for i in order], dtype)
                   for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32), ("loss_mask", bool),
                                       ("behaviour_logprobs", np.float32), ("token_rewards", np.float32))}

@@ -81,12 +81,12 @@ class RemoteEnvPool:
         self.close()
 
 
-def serve_round(pools: dict[int, EnvPool]) -> dict[str, float]:
+def serve_round(pools: dict[int, EnvPool]) -> None:
     """Answer the env calls of every rollout rank in `pools` (its EnvPool) until each has ended its
-    round; returns the envs replaced meanwhile, by kind. Idle, it sleeps in MPI's probe (poll_recv);
-    with calls in flight it waits on the envs a little at a time and reads MPI in between."""
+    round (the rollout ranks count the failures from the answers). Idle, it sleeps in MPI's probe
+    (poll_recv); with calls in flight it waits on the envs a little at a time (one short wait per
+    pass over the rollout ranks) and reads MPI in between."""
     open_clients = set(pools)
-    before = {client: Counter(pool.failures) for client, pool in pools.items()}
     while open_clients:
         busy = any(pool.pending() for pool in pools.values())
         message = poll_recv(tag=TAG_ENV, timeout=0.0 if busy else None)
@@ -97,11 +97,9 @@ def serve_round(pools: dict[int, EnvPool]) -> dict[str, float]:
             else:
                 pools[client].submit(*call)
             continue
+        wait_s = ANSWER_WAIT_S
         for client, pool in pools.items():
-            answers = pool.collect(ANSWER_WAIT_S) if pool.pending() else []
-            if answers:
-                send(answers, client, TAG_ENV)
-    replaced = Counter()
-    for client, pool in pools.items():
-        replaced.update(pool.failures - before[client])
-    return {f"envs_{kind}": float(count) for kind, count in replaced.items()}
+            if pool.pending():
+                answers, wait_s = pool.collect(wait_s), 0.0
+                if answers:
+                    send(answers, client, TAG_ENV)

@@ -334,8 +334,8 @@ class Env:
         spec = EnvSpec(config.name, config.options)
         self.pools = {client: EnvPool(spec, config.workers, config.step_timeout_s) for client in ctx.env_clients}
 
-    def serve_round(self) -> dict[str, float]:
-        return serve_round(self.pools)
+    def serve_round(self) -> None:
+        serve_round(self.pools)
 
 
 ROLE_CLASSES = {"actor_train": ActorTrain, "reference": Reference, "critic": Critic, "actor_infer": ActorInfer,
