@@ -392,10 +392,9 @@ class Decoding:
 
     def _forward(self, **inputs) -> tuple[object, np.ndarray | None]:
         """The model's output, and the routing it took when recorded."""
-        recorder = self.sampler.recorder
-        if recorder is None:
+        if self.recorder is None:
             return self.sampler.model(**inputs), None
-        return recorder.capture(lambda: self.sampler.model(**inputs))
+        return self.recorder.capture(lambda: self.sampler.model(**inputs))
 
     def routing_of(self, row: int) -> np.ndarray | None:
         """[positions, layers, top_k] experts of the positions a trainer's forward needs (router

@@ -73,6 +73,12 @@ class RoutingRecorder:
         return out, torch.stack(indices, dim=1).cpu().numpy().astype(self.dtype)
 
 
+def replayed_indices(own: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """[tokens, top_k] experts: `forced`'s where a token has a record, the router's `own` where it
+    has none (-1: padding, a response's last token)."""
+    return torch.where(forced[:, :1] >= 0, forced.to(own.dtype), own)
+
+
 def replay_output(router: torch.nn.Module, output: tuple, forced: torch.Tensor) -> tuple:
     """The router's (logits, weights, indices) with `forced` [tokens, top_k] experts wherever a token
     has them (-1: none, the router's own choice stays): the weights are the router's softmax at those
@@ -80,7 +86,7 @@ def replay_output(router: torch.nn.Module, output: tuple, forced: torch.Tensor) 
     A token's own choice replayed in the router's order gives bit-identical weights (in another
     order, the experts' outputs are summed in that order: equal to rounding)."""
     logits, weights, indices = output
-    indices = torch.where(forced[:, :1] >= 0, forced.to(indices.dtype), indices)
+    indices = replayed_indices(indices, forced)
     chosen = torch.softmax(logits.float(), dim=-1).gather(1, indices)
     if getattr(router, "norm_topk_prob", True):
         chosen = chosen / chosen.sum(dim=-1, keepdim=True)
@@ -137,5 +143,5 @@ class MegatronReplay:
             return values, indices
         forced = self.forced[:, self.router.layer_number - 1]
         self.seen(indices, forced)
-        indices = torch.where(forced[:, :1] >= 0, forced.to(indices.dtype), indices)
+        indices = replayed_indices(indices, forced)
         return scores.gather(1, indices), indices

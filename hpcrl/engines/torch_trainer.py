@@ -47,6 +47,12 @@ class Samples:
     columns: dict[str, Ragged]  # per response token: old_logprobs, ref_logprobs, advantages, ...
     routed_experts: Ragged | None = None   # per sample, the rollout's routing to replay (router_replay)
 
+    def take(self, rows: np.ndarray) -> Samples:
+        """These rows (a minibatch), every column with them."""
+        return Samples(self.prompt_ids.take(rows), self.response_ids.take(rows),
+                       {k: v.take(rows) for k, v in self.columns.items()},
+                       None if self.routed_experts is None else self.routed_experts.take(rows))
+
 
 def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
     """The optimizer of every torch-based engine (torch, deepspeed) from the job's train settings."""
@@ -209,14 +215,14 @@ class TorchTrainer:
 
     def _micro_batch(self, samples: Samples, rows: np.ndarray) -> tuple[dict, dict]:
         """The padded tensors of `rows`, and their per-token columns."""
-        prompts, responses = samples.prompt_ids.take(rows), samples.response_ids.take(rows)
-        batch = pack(prompts, responses, self.pad_id)
+        part = samples.take(rows)
+        batch = pack(part.prompt_ids, part.response_ids, self.pad_id)
         layers, _, top_k = self._router_shape
-        if samples.routed_experts is not None and layers:
-            batch["routed_experts"] = router_replay.padded_routing(samples.routed_experts.take(rows), prompts.lengths,
-                                                                   responses.lengths, layers, top_k)
+        if part.routed_experts is not None and layers:
+            batch["routed_experts"] = router_replay.padded_routing(part.routed_experts, part.prompt_ids.lengths,
+                                                                   part.response_ids.lengths, layers, top_k)
         width = batch["response_ids"].shape[1]
-        columns = {k: right_pad(v.take(rows), 0.0, torch.float32, width) for k, v in samples.columns.items()}
+        columns = {k: right_pad(v, 0.0, torch.float32, width) for k, v in part.columns.items()}
         return self._to_device(batch), self._to_device(columns)
 
     def _autocast_scope(self):
@@ -312,9 +318,8 @@ class TorchTrainer:
 
     def _train_minibatch(self, samples: Samples, index: np.ndarray, cut: MicroBatching) -> dict[str, float]:
         """One optimizer step on the rows `index` of the shard, micro-batch by micro-batch; its metrics."""
-        prompts, responses = samples.prompt_ids.take(index), samples.response_ids.take(index)
-        minibatch = Samples(prompts, responses, {k: v.take(index) for k, v in samples.columns.items()},
-                            None if samples.routed_experts is None else samples.routed_experts.take(index))
+        minibatch = samples.take(index)
+        prompts, responses = minibatch.prompt_ids, minibatch.response_ids
         groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
         tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
         sequences = int(self._dp_sum(float(len(index))))

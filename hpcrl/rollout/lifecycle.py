@@ -114,3 +114,15 @@ class Group:
 
     def logprobs(self) -> Ragged:
         return Ragged.from_arrays(self.behaviour_logprobs, np.float32)
+
+
+def routing_column(samples: list[tuple[Group, int]]) -> dict[str, Ragged]:
+    """{"routed_experts": each sample's routing} when some group of `samples` (group, sample index)
+    recorded one (router replay); a sample without (none recorded before a resume) has an empty row,
+    and the trainer routes it itself. {} otherwise."""
+    recorded = [g.routed_experts for g, _ in samples if g.routed_experts is not None]
+    if not recorded:
+        return {}
+    empty = np.zeros(0, recorded[0][0].dtype)
+    return {"routed_experts": Ragged.from_arrays([g.routed_experts[i] if g.routed_experts is not None else empty
+                                                  for g, i in samples], empty.dtype)}

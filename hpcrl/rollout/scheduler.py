@@ -34,7 +34,7 @@ from hpcrl.algos import nonzero_variance_groups
 from hpcrl.config.job import JobConfig
 from hpcrl.data import DomainSampler
 from hpcrl.ragged import Ragged
-from hpcrl.rollout.lifecycle import Group, SampleState
+from hpcrl.rollout.lifecycle import Group, SampleState, routing_column
 
 # an env's per-token columns: (checkpoint buffer column, Group attribute, dtype)
 ENV_TOKEN_COLUMNS = (("loss_mask", "loss_masks", bool), ("token_rewards", "token_rewards", np.float32))
@@ -299,22 +299,12 @@ class RolloutScheduler:
             "token_versions": Ragged.from_arrays([g.token_versions[i] for g, i in rows], np.int32),
             **{column: Ragged.from_arrays([getattr(g, name)[i] for g, i in rows], dtype)
                for column, name, dtype in ENV_TOKEN_COLUMNS if any(getattr(g, name) is not None for g, _ in rows)},
-            **self._routing_column(rows),
+            **routing_column(rows),
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
             "code": [g.codes[i] if g.codes is not None else "" for g, i in rows],
         }
-
-    @staticmethod
-    def _routing_column(rows: list[tuple[Group, int]]) -> dict[str, Ragged]:
-        """The buffer's routing (router replay), when its groups have any."""
-        routed = [g.routed_experts for g, _ in rows if g.routed_experts is not None]
-        if not routed:
-            return {}
-        empty = np.zeros(0, routed[0][0].dtype)
-        return {"routed_experts": Ragged.from_arrays([g.routed_experts[i] if g.routed_experts is not None else empty
-                                                      for g, i in rows], empty.dtype)}
 
     def restore(self, step: int, buffer: dict, next_group_id: int, attempts: dict[int, int],
                 rounds: dict[int, int]) -> None:

@@ -35,7 +35,7 @@ from hpcrl.envs import EnvSpec
 from hpcrl.metrics import StepRecorder
 from hpcrl.placement.memory import ModelShape
 from hpcrl.ragged import Ragged
-from hpcrl.rollout.lifecycle import Group
+from hpcrl.rollout.lifecycle import Group, routing_column
 from hpcrl.rollout.scheduler import Round, RolloutScheduler
 from hpcrl.runtime.advantages import mean_kl, token_advantages
 from hpcrl.runtime.checkpointing import Checkpointer
@@ -137,8 +137,8 @@ class Controller:
         self._interrupts = job.rollout.partial_rollout and job.rollout.max_staleness > 0 and job.env is None
         self.episode_stats: list[dict[str, np.ndarray]] = []   # env rounds' per-trajectory figures, per step
         # gigpo: a turn's state is its whole history when the env's observation is not its state
-        self.history_states = job.env is not None and not EnvSpec(job.env.name, job.env.options).build(
-        ).observation_is_state
+        self.history_states = (job.env is not None and job.algorithm.advantage == "gigpo"
+                               and not EnvSpec(job.env.name, job.env.options).build().observation_is_state)
 
     def _prompts(self) -> tuple[dict[str, list], dict[str, list]]:
         """(training, evaluation) prompts by domain that fit the model's context with a whole
@@ -277,7 +277,8 @@ class Controller:
         started = time.perf_counter()
         self.train_busy.start()
         self.residency.enter("logprobs")
-        actor = {**sequences, **self._routing(groups)}   # the actor replays the rollout's routing (router_replay)
+        # the actor replays the rollout's routing (router_replay)
+        actor = {**sequences, **routing_column([(g, i) for g in groups for i in range(g.size)])}
         pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, actor)] if recompute else []
         if "reference" in self.groups:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
@@ -334,17 +335,6 @@ class Controller:
                                                       algo.kl_in_reward.target, len(rewards),
                                                       algo.kl_in_reward.horizon)
         self.training = _InFlight(_All(*calls), time.perf_counter(), version=step, metrics=metrics)
-
-    @staticmethod
-    def _routing(groups) -> dict[str, Ragged]:
-        """The samples' recorded routing, when rollout recorded it (algorithm.router_replay); a sample
-        without (none recorded before a resume) routes as the trainer's router does."""
-        recorded = [g.routed_experts for g in groups if g.routed_experts is not None]
-        if not recorded:
-            return {}
-        none = [np.zeros(0, recorded[0][0].dtype)]
-        return {"routed_experts": Ragged.from_arrays([r for g in groups for r in g.routed_experts or none * g.size],
-                                                     none[0].dtype)}
 
     # -- the weight sync ----------------------------------------------------------------------
     def _copies_weights(self, digest: bool) -> bool:

@@ -286,9 +286,7 @@ class MegatronTrainer:
                              if experts else None)
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
-                minibatch = Samples(samples.prompt_ids.take(index), samples.response_ids.take(index),
-                                    {k: v.take(index) for k, v in samples.columns.items()},
-                                    None if samples.routed_experts is None else samples.routed_experts.take(index))
+                minibatch = samples.take(index)
                 if self._expert_load is not None:   # the load-balancing loss's weights
                     self._real_tokens = self._dp_sum(float(minibatch.prompt_ids.lengths.sum()
                                                            + minibatch.response_ids.lengths.sum()))
