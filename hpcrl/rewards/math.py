@@ -39,7 +39,7 @@ def number_reward(response: Response, reference: str, partial_credit: float = 0.
 def math_reward(response: Response, reference: str) -> Scored:
     """1.0 when the response's final answer is equivalent to `reference`; 0 otherwise ("wrong"), or
     when it gives none ("no_answer"). math-verify's own signal timeouts are off: the caller's
-    time limit (base.time_limit) bounds the call."""
+    time limit (base.TimeLimits) bounds the call."""
     from math_verify import parse, verify
 
     answer = extract_answer(response.text)

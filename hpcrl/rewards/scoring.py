@@ -17,7 +17,7 @@ import numpy as np
 
 from hpcrl.config.job import JobConfig
 from hpcrl.ragged import Ragged
-from hpcrl.rewards.base import Response, RewardFunction, RewardTimeout, Scored, time_limit
+from hpcrl.rewards.base import Response, RewardFunction, RewardTimeout, Scored, TimeLimits
 from hpcrl.rewards.registry import reward_function
 from hpcrl.rewards.sandbox import SandboxUnavailable
 
@@ -53,10 +53,9 @@ def _report(spec: RewardSpec, exc: Exception) -> None:
               "per error type; reward_codes/<domain>/reward_error counts them)", file=sys.stderr, flush=True)
 
 
-def score_one(spec: RewardSpec, response: Response, reference: str) -> Scored:
+def _score_one(limits: TimeLimits, spec: RewardSpec, response: Response, reference: str) -> Scored:
     try:
-        with time_limit(spec.timeout_s):
-            result = spec.function(response, reference, **spec.args)
+        result = limits.run(spec.timeout_s, spec.function, response, reference, **spec.args)
     except RewardTimeout:
         return Scored(0.0, "reward_timeout")
     except SandboxUnavailable:
@@ -67,12 +66,12 @@ def score_one(spec: RewardSpec, response: Response, reference: str) -> Scored:
     return result if isinstance(result, Scored) else Scored(float(result))
 
 
-def score_many(spec: RewardSpec, responses: list[Response], references: list[str]) -> list[Scored]:
+def _score_many(limits: TimeLimits, spec: RewardSpec, responses: list[Response], references: list[str]
+                ) -> list[Scored]:
     """A batched reward (a judge) over a domain's samples at once, under one time limit."""
     try:
-        with time_limit(spec.timeout_s):
-            return [r if isinstance(r, Scored) else Scored(float(r))
-                    for r in spec.function(responses, references, **spec.args)]
+        return [r if isinstance(r, Scored) else Scored(float(r))
+                for r in limits.run(spec.timeout_s, spec.function, responses, references, **spec.args)]
     except RewardTimeout:
         return [Scored(0.0, "reward_timeout")] * len(responses)
     except Exception as exc:
@@ -88,14 +87,15 @@ def score_batch(tokenizer, responses: Ragged, references: Sequence[str], domains
                         tokenizer.decode(prompts[i].tolist()) if prompts is not None else "")
                for i, ids in enumerate(responses)]
     scored: list[Scored | None] = [None] * len(decoded)
-    for domain in dict.fromkeys(domains):
-        spec, mine = specs[domain], [i for i, d in enumerate(domains) if d == domain]
-        if getattr(spec.function, "batched", False):
-            results = score_many(spec, [decoded[i] for i in mine], [references[i] for i in mine])
-        else:
-            results = [score_one(spec, decoded[i], references[i]) for i in mine]
-        for i, result in zip(mine, results):
-            scored[i] = result if math.isfinite(result.reward) else Scored(0.0, "reward_error")
+    with TimeLimits() as limits:
+        for domain in dict.fromkeys(domains):
+            spec, mine = specs[domain], [i for i, d in enumerate(domains) if d == domain]
+            if getattr(spec.function, "batched", False):
+                results = _score_many(limits, spec, [decoded[i] for i in mine], [references[i] for i in mine])
+            else:
+                results = [_score_one(limits, spec, decoded[i], references[i]) for i in mine]
+            for i, result in zip(mine, results):
+                scored[i] = result if math.isfinite(result.reward) else Scored(0.0, "reward_error")
     return np.array([s.reward for s in scored], dtype=np.float64), [s.code for s in scored]
 
 
