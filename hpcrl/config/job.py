@@ -429,7 +429,9 @@ class RoleConfig(Schema):
     colocate_with: RoleName | None = None
     offload: bool = Field(True, description="in a stage where the role is idle and a role sharing its devices is "
                                             "active, move its weights and optimizer state (vLLM: sleep) to host "
-                                            "memory; false keeps it resident, and the plan's memory check counts it")
+                                            "memory when the roles sharing the devices do not fit there together "
+                                            "(the plan says which move); false keeps it resident, and the plan's "
+                                            "memory check counts it")
 
 
 class Roles(Schema):

@@ -17,7 +17,8 @@ Then every role is checked: TP groups inside one node, no two roles outside one 
 active on one slot in the same stage, ep dividing dp, and the memory estimate within the device.
 
 Per stage, a role is offloaded at the stage change when it is inactive but shares a slot with an
-active role (and roles.<name>.offload allows it). Memory counts a role on a device in a stage when it
+active role, the roles of that slot are over the device's memory together, and roles.<name>.offload
+allows it. Memory counts a role on a device in a stage when it
 is active there, may not move, or has its slots to itself (it then stays resident while idle); an
 inactive role sharing its slots waits in host memory and counts 0 (plan.resident_roles). In async
 mode (rollout.max_staleness >= 1) rollout runs alongside logprobs and train, so its roles are
@@ -282,18 +283,25 @@ def _check_stage_conflicts(roles: dict[str, _Role], slots: dict[str, list[int]],
                         "if they may share the devices")
 
 
+def _crowded(name: str, slots: dict[str, list[int]], memory: dict[str, MemoryEstimate], device_gb: float) -> bool:
+    """Whether the roles holding one of `name`'s slots are over the device's memory together: only
+    then must the idle ones make room (a move costs a copy each way and a round trip of the stage)."""
+    return any(sum(memory[other].total for other, theirs in slots.items() if slot in theirs) / GIB > device_gb
+               for slot in slots[name])
+
+
 def _stage_plans(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[int]],
-                 memory: dict[str, MemoryEstimate], shared_weights: bool) -> dict[str, StagePlan]:
+                 memory: dict[str, MemoryEstimate], shared_weights: bool, device_gb: float) -> dict[str, StagePlan]:
     """Per stage: who is active, who is resident (plan.resident_roles over the stage's residency
-    window) and who goes to host memory at its entry. A role moves only when it holds device memory
-    and its roles.<name>.offload allows it, and the trainer never when rollout samples with its weights
-    (`shared_weights`). A stage that moves nothing (async rollout and reward;
+    window) and who goes to host memory at its entry. A role moves only when it holds device memory,
+    the roles sharing one of its devices do not fit there together, and its roles.<name>.offload
+    allows it, and the trainer never when rollout samples with its weights (`shared_weights`). A stage that moves nothing (async rollout and reward;
     scoring on the controller) takes the residency of the stages it follows: the union of theirs."""
     asynchronous = job.rollout.max_staleness > 0
     needs_room = {stage for name, role in roles.items() if memory[name].total > 0 for stage in role.stages}
     windows = residency_windows(asynchronous, needs_room)
     facts = {name: (tuple(slots[name]), role.stages, getattr(job.roles, name).offload and memory[name].total > 0
-                    and not (shared_weights and name == "actor_train"))
+                    and not (shared_weights and name == "actor_train") and _crowded(name, slots, memory, device_gb))
              for name, role in roles.items()}
     resident = {stage: resident_roles(window, facts) for stage, window in windows.items()}
     stages = {}
@@ -465,7 +473,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
                                          shared_weights=shared_weights)
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)
-    stages = _check_memory(job, _stage_plans(job, roles, slots, memory, shared_weights), slots, memory, roles, profile)
+    stages = _check_memory(job, _stage_plans(job, roles, slots, memory, shared_weights, profile.device_memory_gb), slots, memory, roles, profile)
     stages = _host_memory(job, stages, slots, memory, roles, shape, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})
