@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.deepspeed_grad_hooks import hooks_without_gather
 from hpcrl.engines.deepspeed_world import scope_deepspeed_world
+from hpcrl.engines.dp_reduce import DataParallelReducer
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.model_files import ModelFiles, load_full, model_from_config
 from hpcrl.engines.torch_trainer import TorchTrainer, adamw
@@ -109,6 +110,7 @@ class DeepSpeedTrainer(TorchTrainer):
         self.job, self.pad_id, self.dp_group = job, pad_id, dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.device = device
+        self.dp_reducer = DataParallelReducer(dp_group, device)
         self.compute_dtype = DTYPES[job.model.dtype]
         self._autocast = False   # DeepSpeed casts the module to the job's dtype and keeps fp32 master weights
         # A frozen role (the reference) has no optimizer state or gradients for stages 1 and 2 to

@@ -27,6 +27,7 @@ from hpcrl.checkpoint.model_state import load_train_state, save_train_state
 from hpcrl.config.job import JobConfig
 from hpcrl.engines import context_parallel, expert_load, router_replay
 from hpcrl.engines.batch import chunked_token_stats, pack, response_logprobs, response_values, right_pad, unpad
+from hpcrl.engines.dp_reduce import DataParallelReducer
 from hpcrl.engines.expert_load import ExpertLoad
 from hpcrl.engines.fsdp import load_sharded
 from hpcrl.engines.hf_model import DTYPES
@@ -59,17 +60,14 @@ def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
 
 
-def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, group: dist.ProcessGroup | None,
-                  device: torch.device) -> list[np.ndarray]:
-    """This rank's micro-batches, as many as the DP rank that needs most: sharded engines
-    (FSDP2, ZeRO-3) gather parameters in every forward, DDP broadcasts buffers, Megatron's MoE
-    layers exchange tokens with their EP ranks, so all DP ranks run the same number. `device`:
-    where the group's backend reduces (NCCL: the GPU)."""
+def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, peers: DataParallelReducer
+                  ) -> list[np.ndarray]:
+    """This rank's micro-batches, as many as the peer that needs most: sharded engines (FSDP2,
+    ZeRO-3) gather parameters in every forward, DDP reduces gradients with the last, Megatron's
+    MoE layers exchange tokens with their EP ranks, so all DP ranks run the same number."""
     groups = cut.split(prompts.lengths, responses.lengths)
-    if group is not None and dist.get_world_size(group) > 1:
-        count = torch.tensor([len(groups)], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        groups = _split_further(cut, prompts.lengths, responses.lengths, groups, int(count))
+    if peers.group is not None:
+        groups = _split_further(cut, prompts.lengths, responses.lengths, groups, peers.max(len(groups)))
     return groups
 
 
@@ -112,6 +110,7 @@ class TorchTrainer:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.device = torch.device(device)
+        self.dp_reducer = DataParallelReducer(dp_group, self.device)
         self.compute_dtype = DTYPES[job.model.dtype]
         self.trainable = trainable
         master = self._master_dtype()
@@ -183,7 +182,10 @@ class TorchTrainer:
         group = self._weights_group
         if group is not None and dist.get_world_size(group) > 1 and not self._sharded:
             # gradients as views of DDP's buckets: one copy of them, which offload frees with the views
-            self.model = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+            # buffers (rotary frequencies) are constants: no broadcast of them before every forward
+            self.model = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True,
+                                                 forward_sync_buffers=False)
+            DataParallelReducer(group, self.device).hook(self.model)
         self.optimizer = adamw(model, self.job)
 
     @property
@@ -261,7 +263,7 @@ class TorchTrainer:
                    routed_experts: Ragged | None = None) -> Ragged:
         """`compute(batch)` -> [n, R] of every response token, micro-batch by micro-batch, in row order."""
         samples = Samples(prompt_ids, response_ids, {}, routed_experts)
-        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_group, self.device)
+        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_reducer)
         parts = []
         try:
             for rows in groups:
@@ -283,12 +285,6 @@ class TorchTrainer:
 
     def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in tensors.items()}
-
-    def _dp_sum(self, value: float) -> float:
-        total = torch.tensor([value], dtype=torch.float64, device=self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(total, group=self.dp_group)
-        return float(total.item())
 
     # ---- training ------------------------------------------------------------------------------------------------
 
@@ -320,11 +316,12 @@ class TorchTrainer:
         """One optimizer step on the rows `index` of the shard, micro-batch by micro-batch; its metrics."""
         minibatch = samples.take(index)
         prompts, responses = minibatch.prompt_ids, minibatch.response_ids
-        groups = split_for_all(cut, prompts, responses, self.dp_group, self.device)
-        tokens = self._dp_sum(trained_tokens(responses, minibatch.columns))
-        sequences = int(self._dp_sum(float(len(index))))
-        if self._expert_load is not None:   # the load-balancing loss's weights
-            self._real_tokens = self._dp_sum(float(prompts.lengths.sum() + responses.lengths.sum()))
+        groups = split_for_all(cut, prompts, responses, self.dp_reducer)
+        # the global counts the shares are normalised by (and a MoE model's load-balancing weights)
+        tokens, sequences, self._real_tokens = self.dp_reducer.sums(
+            [trained_tokens(responses, minibatch.columns), float(len(index)),
+             float(prompts.lengths.sum() + responses.lengths.sum())])
+        sequences = int(sequences)
         outputs = []
         self._zero_grad()
         for i, rows in enumerate(groups):

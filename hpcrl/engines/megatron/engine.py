@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.batch import unpad
+from hpcrl.engines.dp_reduce import DataParallelReducer
 from hpcrl.engines.hf_model import DTYPES
 from hpcrl.engines.expert_load import ExpertLoad
 from hpcrl.engines.router_replay import MegatronReplay, padded_routing
@@ -64,6 +65,10 @@ class MegatronTrainer:
         self.gpt = getattr(self.model, "module", self.model)  # the GPTModel inside Float16Module
         self.config = self.gpt.config
         self.device = next(self.gpt.parameters()).device
+        self.dp_reducer = DataParallelReducer(self.pgc.dp, self.device)
+        # every MoE layer's all-to-all pairs the EP ranks (DP ranks of the dense layers) micro-batch
+        # by micro-batch: with ep > 1 they all run as many as the one that cuts most
+        self.micro_batch_peers = DataParallelReducer(self.pgc.dp if self.pgc.ep.size() > 1 else None, self.device)
         self.forward_backward = partial(get_forward_backward_func(pp_size=self.pgc.pp.size()),
                                         p2p_communicator=P2PCommunicator(self.pgc.pp, self.config),
                                         pg_collection=self.pgc)
@@ -108,18 +113,15 @@ class MegatronTrainer:
         prompts, responses = samples.prompt_ids, samples.response_ids
         cut = micro_batching(self.job.train, joined=True)
         pp = self.pgc.pp.size()
-        # every MoE layer's all-to-all pairs the EP ranks (DP ranks of the dense layers) micro-batch
-        # by micro-batch: with ep > 1 they all run as many as the one that cuts most
-        peers = self.pgc.dp if self.pgc.ep.size() > 1 else None
+        peers = self.micro_batch_peers
         if pp == 1:
-            groups = split_for_all(cut, prompts, responses, peers, self.device)
+            groups = split_for_all(cut, prompts, responses, peers)
             shape = {}
         else:
             groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp)
-            if peers is not None:
-                most = torch.tensor([len(groups)], device=self.device)
-                dist.all_reduce(most, op=dist.ReduceOp.MAX, group=peers)
-                groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp, at_least=int(most))
+            if peers.group is not None:
+                groups = equal_micro_batches(cut, prompts.lengths, responses.lengths, pp,
+                                             at_least=peers.max(len(groups)))
             shape = {"width": max(1, cut.width(prompts.lengths, responses.lengths)),
                      "resp_width": max(1, responses.max_length())}
         micro = [(rows, pack(prompts.take(rows), responses.take(rows), self.pad_id,
@@ -256,11 +258,6 @@ class MegatronTrainer:
 
     # ---- training --------------------------------------------------------------------------------------------------
 
-    def _dp_sum(self, value: float) -> float:
-        total = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=self.pgc.dp)
-        return float(total.item())
-
     def _policy_loss(self, mb: dict[str, torch.Tensor], logits: torch.Tensor, tokens: float,
                      sequences: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Megatron's loss_func on the last stage: (loss share, token count, metrics)."""
@@ -287,12 +284,11 @@ class MegatronTrainer:
         for _ in range(train.ppo_epochs):
             for index in np.array_split(np.arange(n), train.minibatches):
                 minibatch = samples.take(index)
-                if self._expert_load is not None:   # the load-balancing loss's weights
-                    self._real_tokens = self._dp_sum(float(minibatch.prompt_ids.lengths.sum()
-                                                           + minibatch.response_ids.lengths.sum()))
-                loss_func = partial(self._policy_loss,
-                                    tokens=self._dp_sum(trained_tokens(minibatch.response_ids, minibatch.columns)),
-                                    sequences=int(self._dp_sum(float(len(index)))))
+                # the global counts the shares are normalised by (and a MoE model's load-balancing weights)
+                tokens, sequences, self._real_tokens = self.dp_reducer.sums(
+                    [trained_tokens(minibatch.response_ids, minibatch.columns), float(len(index)),
+                     float(minibatch.prompt_ids.lengths.sum() + minibatch.response_ids.lengths.sum())])
+                loss_func = partial(self._policy_loss, tokens=tokens, sequences=int(sequences))
                 micro = self._micro_batches(minibatch)
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
