@@ -1,7 +1,11 @@
 """Step metrics as JSON Lines: the run's durable, append-only record.
 
-One line per step, flushed and fsync'ed as it is written, so a job killed by Slurm (preemption,
-time limit) loses at most the line being written. On resume the records past the checkpoint's
+One line per step, flushed to the operating system as it is written, so a job killed by Slurm
+(preemption, time limit) loses at most the line being written. Lines are not fsync'ed one by one
+(a millisecond of the controller's step on a local disk, more on a parallel file system): a node
+that crashes can lose the last steps' lines, and those are the steps after the last checkpoint,
+which the resumed run computes again; the checkpoint's own record of its steps fills in any line
+lost before it. On resume the records past the checkpoint's
 step (which the resumed run computes again) move to metrics.superseded.jsonl, and a run started
 over moves all of them there: metrics.jsonl has every step exactly once, and no record is lost.
 """
@@ -122,7 +126,7 @@ def supersede(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 class MetricsLog:
-    """Append-only JSONL writer, one durable line per ``write``.
+    """Append-only JSONL writer, one line per ``write``, flushed (fsync'ed at ``close``).
 
     ``resume_step=N`` first keeps only records with ``step <= N`` (the steps the checkpoint
     covers); ``fresh=True`` starts an empty file. The records dropped either way go to
@@ -170,15 +174,16 @@ class MetricsLog:
             os.fsync(f.fileno())
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append one record and make it durable before returning."""
+        """Append one record and hand it to the operating system before returning."""
         if self._file.closed:
             raise ValueError(f"MetricsLog({self.path}) is closed")
         self._file.write(dumps_record(record) + "\n")
         self._file.flush()
-        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
 
     def __enter__(self) -> "MetricsLog":

@@ -66,7 +66,7 @@ class StepRecorder:
         self._closed = False
 
     def record(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record one step: durable JSONL line first, then TensorBoard, then the terminal."""
+        """Record one step: the JSONL line first, then TensorBoard, then the terminal."""
         if self._closed:
             raise ValueError(f"StepRecorder({self.run_dir}) is closed")
         record = {"step": int(step), **{k: v for k, v in metrics.items() if k != "step"}}
