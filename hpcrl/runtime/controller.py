@@ -87,6 +87,7 @@ class _InFlight:
     metrics: dict[str, Any] | None = None
     groups: list[Group] | None = None   # scoring: the groups whose responses are scored
     interrupted: bool = False           # generation: asked to end early (partial rollout)
+    queued: bool = False                # generation: sent behind the train call on the same ranks
 
 
 class Controller:
@@ -177,8 +178,11 @@ class Controller:
             pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
                                                       found.prompts(self.job.rollout.max_new_tokens), found.batch,
                                                       found.index, False, self._interrupts)
-        self.round = _InFlight(pending, time.perf_counter(), round=found)
-        self.rollout_busy.start()
+        # behind a train call on the same ranks the round starts when that call ends (see _train)
+        self.round = _InFlight(pending, time.perf_counter(), round=found, queued=self.training is not None
+                               and self.shared_weights)
+        if not self.round.queued:
+            self.rollout_busy.start()
 
     def _interrupt_round(self) -> None:
         """Partial rollout: newer weights are staged while a round runs that training is not waiting
@@ -335,6 +339,11 @@ class Controller:
                                                       algo.kl_in_reward.target, len(rewards),
                                                       algo.kl_in_reward.horizon)
         self.training = _InFlight(_All(*calls), time.perf_counter(), version=step, metrics=metrics)
+        if self.shared_weights and not self.job.log.check_weights:
+            # Rollout samples with the trainer's own parameters, on its ranks, which serve calls in
+            # order: the next round, sent now, runs on the weights this call makes as soon as it
+            # ends, while the controller takes in the step (no staging or push to wait for).
+            self.staged_version = self.rollout_version = step
 
     # -- the weight sync ----------------------------------------------------------------------
     def _copies_weights(self, digest: bool) -> bool:
@@ -512,6 +521,9 @@ class Controller:
         self.train_busy.stop()
         self._add_time("train", time.perf_counter() - flight.started)
         self.step = flight.version
+        if self.round is not None and self.round.queued:   # it has begun now that training ended
+            self.round.started = time.perf_counter()
+            self.rollout_busy.start()
         metrics = flight.metrics
         for role, result in zip(flight.pending.roles, flight.pending.value()):
             role_metrics = result["metrics"]
