@@ -8,11 +8,14 @@ the clip range, KL to the reference as a k3 loss term (TRL's beta), the entropy 
 length and temperature. TRL generates with transformers (no vLLM), as hpcrl's native sampler does.
 Runs interleaved (hpcrl, TRL, hpcrl, TRL, ...), one at a time, each in a process of its own.
 
-Printed per system (means over the repetitions): samples/s over the steps after the first five,
-wall time of the whole process, start-up (process start to the first step's start), and the final
-reward (mean reward of the last 10% of the steps, at least 10); then hpcrl's ratio to TRL.
+Printed per system (means over the seeds and repetitions): samples/s over the steps after the
+first five, wall time of the whole process, start-up (process start to the first step's start), and
+the final reward (mean reward of the last 10% of the steps, at least 10); then hpcrl's ratio to TRL.
+A run's rewards are a function of its seed (repetitions repeat them; they measure the timing): one
+seed's final reward differs between the two systems by up to 0.06 either way, so compare rewards
+over several seeds.
 
-    .venv/bin/python bench/vs_trl.py [--job jobs/tiny_grpo.yaml] [--steps 200] [--repeats 2] [--seed 1]
+    .venv/bin/python bench/vs_trl.py [--job jobs/tiny_grpo.yaml] [--steps 200] [--repeats 2] [--seeds 1 2 3 4]
                                      [--layout colocated|job]
     .venv/bin/python bench/vs_trl.py --job jobs/tiny_longtail.yaml --steps 100     # the long-tail variant
 """
@@ -125,7 +128,7 @@ def main() -> int:
     parser.add_argument("--job", default="jobs/tiny_grpo.yaml")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--layout", choices=LAYOUTS, default="colocated",
                         help="hpcrl's placement of the roles (the model, data and algorithm stay the job's)")
     parser.add_argument("--trl-child", nargs=4, help=argparse.SUPPRESS)
@@ -136,19 +139,21 @@ def main() -> int:
         return 0
     results: dict[str, list[dict[str, float]]] = {"hpcrl": [], "TRL": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            results["hpcrl"].append(hpcrl_run(args.job, args.steps, args.seed, LAYOUTS[args.layout],
-                                              Path(tmp) / f"hpcrl-{repeat}"))
-            results["TRL"].append(trl_run(args.job, args.steps, args.seed, Path(tmp) / f"trl-{repeat}.json"))
-    print(f"{args.job}, {args.steps} steps, seed {args.seed}, {args.repeats} interleaved repetitions (means); "
-          f"hpcrl layout: {args.layout}")
+        for seed in args.seeds:
+            for repeat in range(args.repeats):
+                results["hpcrl"].append(hpcrl_run(args.job, args.steps, seed, LAYOUTS[args.layout],
+                                                  Path(tmp) / f"hpcrl-{seed}-{repeat}"))
+                results["TRL"].append(trl_run(args.job, args.steps, seed, Path(tmp) / f"trl-{seed}-{repeat}.json"))
+    print(f"{args.job}, {args.steps} steps, seeds {' '.join(map(str, args.seeds))}, {args.repeats} interleaved "
+          f"repetitions each (means); hpcrl layout: {args.layout}")
     print(f"{'':<14}{'hpcrl':>10}{'TRL':>10}{'hpcrl/TRL':>11}")
     for key in results["hpcrl"][0]:
         ours, theirs = (fmean(r[key] for r in results[name]) for name in ("hpcrl", "TRL"))
         print(f"{key:<14}{ours:>10.3f}{theirs:>10.3f}{ours / theirs:>11.2f}")
+    runs_of = [(seed, repeat) for seed in args.seeds for repeat in range(args.repeats)]
     for name, runs in results.items():
-        print(f"{name} per repetition: " + "; ".join(f"{r['samples/s']:.0f} samples/s, reward {r['final reward']:.3f}"
-                                                    for r in runs))
+        print(f"{name} per run: " + "; ".join(f"seed {seed}: {r['samples/s']:.0f} samples/s, reward {r['final reward']:.3f}"
+                                              for (seed, _), r in zip(runs_of, runs)))
     return 0
 
 
