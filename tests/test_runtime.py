@@ -295,3 +295,15 @@ def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_
     assert all(not stage["offload"] for stage in kept_plan["stages"].values())
     assert all("stage_moves" not in m for m in kept)
     assert _without_times(metrics) == _without_times(kept)
+    # rollout on the trainer's own weights: its round goes out behind the train call, and the
+    # reference's moves with it; the same samples as with a copy of the weights
+    shared_dir = tmp_path / "shared-small"
+    shared = [x if x != "rollout.share_trainer_weights=false" else "rollout.share_trainer_weights=true" for x in sets]
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(shared_dir), *shared, "--cluster", str(small),
+                   timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shared_plan = json.loads((shared_dir / "plan.json").read_text())
+    assert shared_plan["rollout_shares_weights"] and shared_plan["stages"]["rollout"]["offload"] == ["reference"]
+    shared_metrics = read_metrics(shared_dir / "metrics.jsonl")
+    assert all("reference" in " ".join(m["stage_moves"]) for m in shared_metrics[1:])
+    assert [m["reward_mean"] for m in shared_metrics] == [m["reward_mean"] for m in kept]

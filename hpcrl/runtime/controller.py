@@ -179,8 +179,8 @@ class Controller:
                                                       found.prompts(self.job.rollout.max_new_tokens), found.batch,
                                                       found.index, False, self._interrupts)
         # behind a train call on the same ranks the round starts when that call ends (see _train)
-        self.round = _InFlight(pending, time.perf_counter(), round=found, queued=self.training is not None
-                               and self.shared_weights)
+        self.round = _InFlight(pending, time.perf_counter(), round=found, queued=self.shared_weights
+                               and self.training is not None and "actor_train" in self.training.pending.roles)
         if not self.round.queued:
             self.rollout_busy.start()
 
@@ -478,6 +478,8 @@ class Controller:
                 self._advance()
                 # staging before training: a staging finished before the train call behind it is handled first
                 flights = [f for f in (self.round, self.staging, self.pushing, self.training) if f is not None]
+                if self.round is not None and self.round.queued:   # it ends after the train call ahead of it
+                    flights.append(flights.pop(0))
                 done = wait_any([f.pending for f in flights + self.scoring])
                 if any(done is f.pending for f in self.scoring):
                     self._finish_scoring()
@@ -507,6 +509,7 @@ class Controller:
                     request = self._request()
                     if request is not None or self.checkpointer.due(self.step):
                         self._save()
+                        recorder.sync()
                     if request is not None and self.step < job.train.steps:
                         what = "exiting for requeue" if request == "requeue" else "stopping as asked"
                         recorder.write(f"hpcrl: {self._request_source()} received: checkpoint saved at step "
@@ -522,7 +525,7 @@ class Controller:
         self._add_time("train", time.perf_counter() - flight.started)
         self.step = flight.version
         if self.round is not None and self.round.queued:   # it has begun now that training ended
-            self.round.started = time.perf_counter()
+            self.round.started, self.round.queued = time.perf_counter(), False
             self.rollout_busy.start()
         metrics = flight.metrics
         for role, result in zip(flight.pending.roles, flight.pending.value()):
