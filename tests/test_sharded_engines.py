@@ -102,7 +102,7 @@ def test_a_cpu_dp_group_reduces_through_mpi_and_ddp_averages_gradients_as_gloo_d
     """hpcrl.engines.dp_reduce: on the MPI world's ranks a CPU group's sums and maxima and DDP's
     gradient buckets go through MPI (gloo's TCP is 70x slower per count); the same numbers."""
     found = findings["dp_reduce"]
-    assert found["through_mpi"], found
+    assert found["through_mpi"] and found["hooked"], found
     assert found["sums"] == [3.0, 10.0] and found["max"] == 3, found
     assert found["grad_max_diff"] < 1e-7 and found["grad_scale"] > 0.1, found
 
@@ -366,7 +366,7 @@ def _dp_reduce_check(rank: int, group) -> dict:
         model = torch.nn.Linear(4, 3)
         ddp = DistributedDataParallel(model, process_group=group)
         if via == "mpi":
-            reducer.hook(ddp)
+            found["hooked"] = reducer.hook(ddp)
         torch.manual_seed(1 + rank)   # each rank its own batch
         ddp(torch.randn(5, 4)).square().sum().backward()
         grads[via] = model.weight.grad

@@ -8,7 +8,7 @@ deepspeed` train the same policy: ZeRO shards optimizer state (1), gradients (2)
 partitions from the files; no parameter is gathered whole at start-up (deepspeed_grad_hooks). hpcrl owns the accumulation boundary
 (`managed_gradient_accumulation: false`): one `step()` per minibatch, whatever the number of
 micro-batches. DeepSpeed runs with the role's rank group as its world (`deepspeed_world`); on
-CPU it communicates over gloo, on GPUs over NCCL.
+CPU it communicates over gloo (hpcrl's own counts over MPI: hpcrl.engines.dp_reduce), on GPUs over NCCL.
 """
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ gloo's TCP transport costs 180-275 us per all-reduce of one number and 1.5 ms fo
 300 KB gradient on this 2-core machine, where MPI takes 2-4 us and 0.07-0.2 ms (shared memory
 inside a node, the fabric across nodes; `bench/dp_reduce.py`): with 3 counts and one gradient per
 minibatch, and DDP's buffer broadcast before every forward (now off: the buffers are constants),
-gloo was a fifth of the tiny job's train step (torch engine, dp=2: 52.7 -> 36.9 ms per step). So when torch.distributed runs on the MPI world's
-ranks (hpcrl's runtime: torch rank = MPI rank), a CPU group's reductions go through an MPI
-communicator of the same ranks; on GPUs (NCCL), or in a process group of torch's alone, through
-the group itself.
+gloo was a fifth of the tiny job's train step (torch engine, dp=2: 52.7 -> 36.9 ms per step).
+So when torch.distributed runs on the MPI world's ranks (hpcrl's runtime: torch rank = MPI rank),
+a CPU group's reductions go through an MPI communicator of the same ranks; on GPUs (NCCL), or in
+a process group of torch's alone, through the group itself.
 """
 from __future__ import annotations
 
@@ -69,11 +69,13 @@ class DataParallelReducer:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return int(most.item())
 
-    def hook(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
+    def hook(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Let `model` (DDP over this group) average its gradient buckets through MPI, when on CPU
-        (gradients in a dtype MPI has: the trainers' fp32 masters)."""
-        if self.comm is not None and all(p.dtype in _MPI_TYPES for p in model.parameters()):
-            model.register_comm_hook(self.comm, _average_through_mpi)
+        (gradients in a dtype MPI has: the trainers' fp32 masters); whether it does."""
+        if self.comm is None or any(p.dtype not in _MPI_TYPES for p in model.parameters()):
+            return False
+        model.register_comm_hook(self.comm, _average_through_mpi)
+        return True
 
 
 def _average_through_mpi(comm, bucket):   # unannotated: DDP checks annotations, and these would be strings

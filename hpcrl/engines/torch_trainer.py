@@ -1,6 +1,7 @@
 """The torch training engine: DDP or FSDP2 over the role's data-parallel group, AdamW, PPO-style updates.
 
-It is the default on CPU (gloo) and runs unchanged on GPUs (NCCL). The loss is
+It is the default on CPU (gloo, and MPI for the data-parallel reductions: hpcrl.engines.dp_reduce)
+and runs unchanged on GPUs (NCCL). The loss is
 hpcrl.engines.objective's (every engine's); this class owns the model, the optimizer and the
 minibatch loop: each minibatch is one optimizer step, accumulated over micro-batches
 (`train.micro_batch_size`, `train.max_tokens_per_micro_batch`). With bf16/fp16 the trainable

@@ -1,11 +1,10 @@
 """Step metrics as JSON Lines: the run's durable, append-only record.
 
 One line per step, flushed to the operating system as it is written, so a job killed by Slurm
-(preemption, time limit) loses at most the line being written. Lines are not fsync'ed one by one
-(a millisecond of the controller's step on a local disk, more on a parallel file system): a node
-that crashes can lose the last steps' lines, and those are the steps after the last checkpoint,
-which the resumed run computes again; the checkpoint's own record of its steps fills in any line
-lost before it. On resume the records past the checkpoint's
+(preemption, time limit) loses at most the line being written. Lines are fsync'ed at each
+checkpoint, not one by one (a millisecond of the controller's step on a local disk, more on a
+parallel file system): a node that crashes can lose the lines after the last checkpoint, steps
+the resumed run computes again. On resume the records past the checkpoint's
 step (which the resumed run computes again) move to metrics.superseded.jsonl, and a run started
 over moves all of them there: metrics.jsonl has every step exactly once, and no record is lost.
 """
@@ -179,6 +178,11 @@ class MetricsLog:
             raise ValueError(f"MetricsLog({self.path}) is closed")
         self._file.write(dumps_record(record) + "\n")
         self._file.flush()
+
+    def sync(self) -> None:
+        """Make the lines so far durable (at a checkpoint: its record of the steps keeps only numbers)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if not self._file.closed:

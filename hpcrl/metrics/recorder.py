@@ -75,6 +75,10 @@ class StepRecorder:
             self.tensorboard.log(record["step"], record)
         self.progress.update(record["step"], record)
 
+    def sync(self) -> None:
+        """Make the JSONL lines so far durable (at each checkpoint)."""
+        self.jsonl.sync()
+
     def write(self, line: str) -> None:
         """Print a message line without breaking the progress bar."""
         self.progress.write(line)

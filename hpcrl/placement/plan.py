@@ -103,7 +103,8 @@ class StagePlan:
     name: str
     active: dict[str, tuple[int, ...]]
     resident: tuple[str, ...]
-    offload: tuple[str, ...]                  # moved to host memory at entry (inactive, sharing a slot)
+    offload: tuple[str, ...]                  # moved to host memory at entry (inactive, sharing a slot whose
+                                              # roles do not fit on the device together)
     overlaps: tuple[str, ...] = ()            # stages that run at the same time
     moves: bool = True
     follows: tuple[str, ...] = ()             # moves nothing: runs with the residency of these stages
