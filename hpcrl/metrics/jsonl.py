@@ -3,10 +3,10 @@
 One line per step, flushed to the operating system as it is written, so a job killed by Slurm
 (preemption, time limit) loses at most the line being written. Lines are fsync'ed at each
 checkpoint, not one by one (a millisecond of the controller's step on a local disk, more on a
-parallel file system): a node that crashes can lose the lines after the last checkpoint, steps
-the resumed run computes again. On resume the records past the checkpoint's
-step (which the resumed run computes again) move to metrics.superseded.jsonl, and a run started
-over moves all of them there: metrics.jsonl has every step exactly once, and no record is lost.
+parallel file system): a node that crashes can lose only lines after the last checkpoint. On
+resume the records past the checkpoint's step (which the resumed run computes again) move to
+metrics.superseded.jsonl, and a run started over moves all of them there: metrics.jsonl has every
+step exactly once, and no record is lost.
 """
 
 from __future__ import annotations
@@ -186,8 +186,7 @@ class MetricsLog:
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            self.sync()
             self._file.close()
 
     def __enter__(self) -> "MetricsLog":

@@ -18,8 +18,8 @@ active on one slot in the same stage, ep dividing dp, and the memory estimate wi
 
 Per stage, a role is offloaded at the stage change when it is inactive but shares a slot with an
 active role, the roles of that slot are over the device's memory together, and roles.<name>.offload
-allows it. Memory counts a role on a device in a stage when it
-is active there, may not move, or has its slots to itself (it then stays resident while idle); an
+allows it. Memory counts a role on a device in a stage when it is active there, may not move, or
+has its slots to itself (it then stays resident while idle); an
 inactive role sharing its slots waits in host memory and counts 0 (plan.resident_roles). In async
 mode (rollout.max_staleness >= 1) rollout runs alongside logprobs and train, so its roles are
 resident in both, and the memory check takes the peak over what overlaps.
@@ -295,8 +295,9 @@ def _stage_plans(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[
     """Per stage: who is active, who is resident (plan.resident_roles over the stage's residency
     window) and who goes to host memory at its entry. A role moves only when it holds device memory,
     the roles sharing one of its devices do not fit there together, and its roles.<name>.offload
-    allows it, and the trainer never when rollout samples with its weights (`shared_weights`). A stage that moves nothing (async rollout and reward;
-    scoring on the controller) takes the residency of the stages it follows: the union of theirs."""
+    allows it, and the trainer never when rollout samples with its weights (`shared_weights`). A
+    stage that moves nothing (async rollout and reward; scoring on the controller) takes the
+    residency of the stages it follows: the union of theirs."""
     asynchronous = job.rollout.max_staleness > 0
     needs_room = {stage for name, role in roles.items() if memory[name].total > 0 for stage in role.stages}
     windows = residency_windows(asynchronous, needs_room)
@@ -473,7 +474,8 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
                                          shared_weights=shared_weights)
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)
-    stages = _check_memory(job, _stage_plans(job, roles, slots, memory, shared_weights, profile.device_memory_gb), slots, memory, roles, profile)
+    stages = _stage_plans(job, roles, slots, memory, shared_weights, profile.device_memory_gb)
+    stages = _check_memory(job, stages, slots, memory, roles, profile)
     stages = _host_memory(job, stages, slots, memory, roles, shape, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})
