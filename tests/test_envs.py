@@ -1,6 +1,7 @@
 """The text environments of agentic RL and the process host that replaces envs that hang or fail."""
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -126,6 +127,24 @@ def test_guess_number_feedback_lets_binary_search_win_in_under_four_guesses_on_a
     costly = GuessNumber(0, 15, guess_cost=0.1)
     costly.reset(5)
     assert [costly.step(guess).reward for guess in ("8", "2", "5")] == [-0.1, -0.1, 1.0]
+
+
+def test_guess_number_information_reward_pays_bits_found_out_and_the_same_total_for_every_success():
+    env = GuessNumber(0, 15, information_reward=0.25)
+    env.reset(5)
+    middle = env.step("7")                 # 16 numbers -> 0-6: log2(16/7) bits
+    assert middle.observation == "lower" and middle.reward == pytest.approx(0.25 * math.log2(16 / 7))
+    assert env.step("9").reward == 0.0     # ruled out already: nothing found out
+    assert env.step("0").reward == pytest.approx(0.25 * math.log2(7 / 6))   # an edge: little
+    totals = []
+    for guesses in (("7", "3", "5"), ("0", "1", "2", "3", "4", "5"), ("5",), ("15", "9", "12", "4", "5")):
+        env.reset(5)
+        results = [env.step(guess) for guess in guesses]
+        assert results[-1].info["success"] and not any(r.done for r in results[:-1])
+        totals.append(sum(r.reward for r in results))
+    assert totals == pytest.approx([1.0 + 0.25 * 4] * 4), "potential-based: 4 bits whatever the path"
+    env.reset(5)
+    assert env.step("x").reward == 0.0 and env.allowed == (0, 15), "an unparsable action changes nothing"
 
 
 def test_calculator_evaluates_arithmetic_and_nothing_else():
