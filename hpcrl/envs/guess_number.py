@@ -21,7 +21,7 @@ class GuessNumber(TextEnv):
         `information_reward` pays that much per bit a guess takes off the numbers the feedback so
         far allows (log2 of how many were left over how many are left): potential-based shaping
         (Ng et al. 1999, the potential being minus the bits still unknown), so it changes no
-        optimal policy, but each turn is paid for what it alone found out. A guess the feedback
+        optimal policy of undiscounted returns, but each turn is paid for what it alone found out. A guess the feedback
         had already ruled out earns nothing, the middle of the interval earns most in expectation,
         and every success earns the same total, log2(high - low + 1) bits."""
         if high < low:
