@@ -21,9 +21,9 @@ class GuessNumber(TextEnv):
         `information_reward` pays that much per bit a guess takes off the numbers the feedback so
         far allows (log2 of how many were left over how many are left): potential-based shaping
         (Ng et al. 1999, the potential being minus the bits still unknown), so it changes no
-        optimal policy of undiscounted returns, but each turn is paid for what it alone found out. A guess the feedback
-        had already ruled out earns nothing, the middle of the interval earns most in expectation,
-        and every success earns the same total, log2(high - low + 1) bits."""
+        optimal policy of undiscounted returns, but each turn is paid for what it alone found out.
+        A guess the feedback had already ruled out earns nothing, the middle of the interval earns
+        most in expectation, and every success earns the same total, log2(high - low + 1) bits."""
         if high < low:
             raise ValueError(f"guess_number: high {high} is below low {low}")
         self.low, self.high = low, high
@@ -45,6 +45,13 @@ class GuessNumber(TextEnv):
             guess = int(action.strip())
         except ValueError:
             return self.invalid(action, "not a number")
+        shaping = self.information_reward * self._narrow(guess)
+        if guess == self.secret:
+            return StepResult("correct", 1.0 + shaping, True, {"success": True})
+        return StepResult("higher" if guess < self.secret else "lower", shaping - self.guess_cost, False, {})
+
+    def _narrow(self, guess: int) -> float:
+        """Narrow `allowed` by the feedback `guess` gets; returns the bits it found out."""
         low, high = self.allowed
         if guess == self.secret:
             self.allowed = (guess, guess)
@@ -52,8 +59,4 @@ class GuessNumber(TextEnv):
             self.allowed = (max(low, guess + 1), high)
         else:
             self.allowed = (low, min(high, guess - 1))
-        bits = math.log2((high - low + 1) / (self.allowed[1] - self.allowed[0] + 1))
-        shaping = self.information_reward * bits
-        if guess == self.secret:
-            return StepResult("correct", 1.0 + shaping, True, {"success": True})
-        return StepResult("higher" if guess < self.secret else "lower", shaping - self.guess_cost, False, {})
+        return math.log2((high - low + 1) / (self.allowed[1] - self.allowed[0] + 1))
