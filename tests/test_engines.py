@@ -86,9 +86,8 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
     lengths = {len(a.response_ids[0]) for a in alone}
     assert len(lengths) > 2, "the responses end at different lengths (else no row would leave early)"
     decoded = []   # rows of each one-token forward (the decoding steps; prefills take whole prompts)
-    hook = model.register_forward_pre_hook(
-        lambda _, args, kwargs: decoded.append(len(kwargs["input_ids"])) if kwargs["input_ids"].shape[1] == 1 else None,
-        with_kwargs=True)
+    hook = model.model.embed_tokens.register_forward_pre_hook(
+        lambda _, args: decoded.append(len(args[0])) if args[0].shape[1] == 1 else None)
     for slots, lockstep in [(None, False), (4, False), (1, False), (None, True), (4, True)]:
         decoded.clear()
         sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=slots,

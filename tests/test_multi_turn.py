@@ -166,9 +166,8 @@ def test_a_kept_kv_cache_gives_the_trajectories_of_rereading_the_context_and_fee
         rollout, _ = rollout_for(spec, slots=3, lockstep=lockstep, max_turns=5)
         rollout.keep_cache = keep
         counter = [0]
-        rollout.sampler.model.register_forward_pre_hook(
-            lambda module, args, kwargs: counter.__setitem__(0, counter[0] + kwargs["input_ids"].numel()),
-            with_kwargs=True)
+        rollout.sampler.model.model.embed_tokens.register_forward_pre_hook(
+            lambda module, args: counter.__setitem__(0, counter[0] + args[0].numel()))
         with rollout.pool:
             results[keep] = rollout.run(requests)
         fed[keep] = counter[0]

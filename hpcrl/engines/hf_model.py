@@ -18,6 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _ARCH = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
          "mixtral": (MixtralConfig, MixtralForCausalLM)}
+ARCHS = tuple(_ARCH)
 
 
 def _expert_kwargs(model: ModelConfig) -> dict:

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcrl.engines import kv_rows
-from hpcrl.engines.batch import left_pad, positions
 from hpcrl.engines.offload import Saved, model_state_tensors, release, restore
 from hpcrl.engines.router_replay import RoutingRecorder
+from hpcrl.engines.slot_forward import SlotCache
 from hpcrl.ragged import Ragged
 
 
@@ -193,16 +192,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:
     return (cdf < threshold).sum(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _cache_of(out) -> tuple[str, object]:
-    """(the keyword a forward takes it by, the KV cache a forward returned): transformers 5.20
-    renamed `past_key_values` to `cache`, and vLLM 0.32 (built for our torch) needs transformers
-    < 5.20, so both spellings are served."""
-    return ("cache", out.cache) if hasattr(out, "cache") else ("past_key_values", out.past_key_values)
-
-
 class Decoding:
     """Sequences waiting, decoding together in one cache, or done; a request is a row, added at any
     time with `add` (each row's tokens and log-probs are kept in a [rows, width] array).
+
+    The sequences decoding together hold slots 0 .. n-1 of a slot cache (hpcrl.engines.slot_forward),
+    in the order of `active`; one that finishes leaves its slot to the last sequence, which moves in.
 
     A request may name a session (multi-turn rollout: its trajectory): when it ends, its keys and
     values are kept, and the session's next request, whose prompt continues the same tokens,
@@ -223,9 +218,10 @@ class Decoding:
         # per session: its ids, their (keys, values) per layer, and their routing when recorded
         self.kept: dict[int, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]], np.ndarray | None]] = {}
         self.waiting: collections.deque[int] = collections.deque()
-        self.active = np.zeros(0, np.int64)   # rows of the cache, in order
-        self.cache, self.mask, self.logits, self.next_position = None, None, None, None
-        self.cache_key = "past_key_values"
+        self.cache = SlotCache(sampler.model)
+        self.active = np.zeros(0, np.int64)      # the row in each slot
+        self.filled = np.zeros(0, np.int64)      # positions each slot holds (the next one's index)
+        self.logits: torch.Tensor | None = None  # [slots, vocab]: each slot's next-token logits
         # router replay: per row, the experts of its prompt's positions, and of each token it fed after
         self.recorder = sampler.recorder
         self.prefill_routes: list[np.ndarray | None] = []
@@ -282,61 +278,48 @@ class Decoding:
     def admit(self) -> None:
         """Prefill waiting prompts into the free slots and add them to the decoding batch; a prompt
         that continues its session's kept cache prefills only its new tokens."""
-        free = (self.sampler.max_seqs or len(self.prompts)) - len(self.active)
-        if free <= 0 or not self.waiting or (self.sampler.lockstep and len(self.active)):
+        first = len(self.active)
+        free = (self.sampler.max_seqs or len(self.prompts)) - first
+        if free <= 0 or not self.waiting or (self.sampler.lockstep and first):
             return
         rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
         kept = [self._past(int(row)) for row in rows]
-        pasts = [None if k is None else k[0] for k in kept]
-        cached = [0 if past is None else past[0][0].shape[2] for past in pasts]
+        cached = np.array([0 if k is None else len(k[0]) for k in kept], np.int64)
         news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows, cached)], np.int32)
-        ids, new_mask = (t.to(self.device) for t in left_pad(news, self.sampler.pad_id))
-        width, kwargs = max(cached), {}
-        past_mask = torch.zeros((len(rows), width), dtype=new_mask.dtype, device=self.device)
-        if width:
-            empty = next(past for past in pasts if past is not None)
-            layers = [[kv_rows.pad_left(p[layer][i] if p is not None else empty[layer][i][:, :, :0], width, 2)
-                       for p in pasts] for layer in range(len(empty)) for i in (0, 1)]
-            kwargs[self.cache_key] = kv_rows.cache_of([torch.cat(parts) for parts in layers])
-            for index, n in enumerate(cached):
-                past_mask[index, width - n:] = 1
-        mask = torch.cat([past_mask, new_mask], dim=1)
-        out, routes = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions(mask)[:, width:],
-                                    use_cache=True, **kwargs)
+        new_lengths = news.lengths.astype(np.int64)
+        # a slot's columns: its prompt (padding included) and every token it may feed (lock-step: until
+        # the batch's longest ends)
+        self.cache.reserve(first + len(rows), int(cached.max() + new_lengths.max()) + self.width)
+        for index, k in enumerate(kept):
+            if k is not None:
+                self.cache.put(first + index, k[1])
+        ids = torch.from_numpy(news.padded(max(1, news.max_length()), self.sampler.pad_id).astype(np.int64))
+        filled = cached + new_lengths
+        logits, routes = self._forward(first, ids.to(self.device), cached, new_lengths)
         if routes is not None:   # each row's real (not padding) positions, after its session's kept ones
-            real = new_mask.bool().cpu().numpy()
-            routes = routes.reshape(*real.shape, *routes.shape[1:])
+            routes = routes.reshape(*ids.shape, *routes.shape[1:])
             for index, row in enumerate(rows):
-                before = [] if kept[index] is None else [kept[index][1]]
-                self.prefill_routes[row] = np.concatenate([*before, routes[index][real[index]]])
-        self.cache_key, cache = _cache_of(out)
-        logits, lengths = out.logits[:, -1], mask.sum(1)
-        if self.cache is None:
-            self.cache, self.mask, self.logits, self.next_position = cache, mask, logits, lengths
-        else:
-            self.mask = kv_rows.concat_rows(self.cache, self.mask, cache, mask)
-            self.logits = torch.cat([self.logits, logits])
-            self.next_position = torch.cat([self.next_position, lengths])
+                before = [] if kept[index] is None else [kept[index][2]]
+                self.prefill_routes[row] = np.concatenate([*before, routes[index][:new_lengths[index]]])
+        self.logits = torch.cat([self.logits, logits]) if first else logits
         self.active = np.concatenate([self.active, rows])
+        self.filled = np.concatenate([self.filled, filled])
 
-    def _past(self, row: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray | None] | None:
-        """The keys and values (and routing) kept for the row's session, if its prompt continues their tokens."""
-        ids, past, routes = self.kept.pop(int(self.sessions[row]), (None, None, None))
+    def _past(self, row: int) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]], np.ndarray | None] | None:
+        """The ids, keys and values (and routing) kept for the row's session, if its prompt continues their tokens."""
+        found = self.kept.pop(int(self.sessions[row]), None)
         prompt = self.prompts[row]
-        if past is None or len(prompt) <= len(ids) or not np.array_equal(prompt[:len(ids)], ids):
+        if found is None or len(prompt) <= len(found[0]) or not np.array_equal(prompt[:len(found[0])], found[0]):
             return None
-        return past, routes
+        return found
 
-    def _keep(self, index: int) -> None:
-        """Keep the finished batch entry `index`'s keys and values for its session's next request:
-        its prompt and every sampled token but the last (never fed), at the columns its mask marks
-        (lock-step rows decode on after they end; those columns come later and are left)."""
-        row = int(self.active[index])
+    def _keep(self, slot: int) -> None:
+        """Keep the finished sequence in `slot`'s keys and values for its session's next request: its
+        prompt and every sampled token but the last (never fed); lock-step rows decode on after
+        they end, at later columns, which are left."""
+        row = int(self.active[slot])
         ids = np.concatenate([self.prompts[row], self.tokens[row, :self.lengths[row] - 1]])
-        columns = self.mask[index].nonzero().squeeze(-1)[:len(ids)]
-        self.kept[int(self.sessions[row])] = (ids, [(layer.keys[index:index + 1, :, columns],
-                                                      layer.values[index:index + 1, :, columns])
-                                                     for layer in self.cache.layers], self.routing_of(row))
+        self.kept[int(self.sessions[row])] = (ids, self.cache.take(slot, len(ids)), self.routing_of(row))
 
     def step(self) -> np.ndarray:
         """Sample a token for every sequence in the batch and keep those of the unfinished ones; finished
@@ -365,36 +348,47 @@ class Decoding:
         done = self.finished[self.active]
         if self.sampler.lockstep:
             done = np.full(len(done), done.all())
-        for index in np.flatnonzero(done & (self.sessions[self.active] >= 0)):
-            self._keep(int(index))
+        for slot in np.flatnonzero(done & (self.sessions[self.active] >= 0)):
+            self._keep(int(slot))
         if done.any():
-            keep = np.flatnonzero(~done)
-            self.active = self.active[keep]
-            if not len(keep):
-                self.cache = self.mask = self.logits = self.next_position = None
+            order = self._vacate(done)
+            if not len(order):
+                self.logits = None
                 return ended
-            index = torch.from_numpy(keep).to(self.device)
-            self.mask = kv_rows.trim_left(self.cache, kv_rows.select_rows(self.cache, self.mask, index))
-            chosen, self.next_position = chosen[index], self.next_position[index]
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.active), 1))], dim=1)
-        out, routes = self._forward(input_ids=chosen.unsqueeze(-1), attention_mask=self.mask,
-                                    position_ids=self.next_position.unsqueeze(-1), use_cache=True,
-                                    **{self.cache_key: self.cache})
-        if routes is not None:   # the token each unfinished row just fed (lock-step's finished rows feed filler)
-            fed = ~self.finished[self.active]
+            chosen = chosen[torch.from_numpy(order).to(self.device)]
+        fed = ~self.finished[self.active]   # lock-step's finished rows feed filler, whose routing is not kept
+        self.logits, routes = self._forward(0, chosen.unsqueeze(-1), self.filled, np.ones(len(self.active), np.int64))
+        self.filled += 1
+        if routes is not None:
             rows = self.active[fed]
             for row, position, route in zip(rows, self.lengths[rows] - 1, routes[fed]):
                 self.step_routes[row][position] = route
-        self.cache_key, self.cache = _cache_of(out)
-        self.logits = out.logits[:, -1]
-        self.next_position = self.next_position + 1
         return ended
 
-    def _forward(self, **inputs) -> tuple[object, np.ndarray | None]:
-        """The model's output, and the routing it took when recorded."""
+    def _vacate(self, done: np.ndarray) -> np.ndarray:
+        """The `done` slots' sequences leave: the last remaining ones move into the slots they free, so
+        that the batch stays slots 0 .. n-1 and only the moved sequences are copied. Returns, per new
+        slot, the old slot it comes from."""
+        keep = np.flatnonzero(~done)
+        order = np.arange(len(keep))
+        holes = np.flatnonzero(done[:len(keep)])
+        movers = keep[keep >= len(keep)]
+        if len(holes):
+            self.cache.move(torch.from_numpy(movers).to(self.device), torch.from_numpy(holes).to(self.device),
+                            int(self.filled[movers].max()))
+            order[holes] = movers
+        self.active, self.filled = self.active[order], self.filled[order]
+        return order
+
+    def _forward(self, first: int, ids: torch.Tensor, starts: np.ndarray,
+                 lengths: np.ndarray) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The slot cache's forward (next-token logits), and the routing it took when recorded."""
+        def forward() -> torch.Tensor:
+            return self.cache.forward(first, ids, torch.from_numpy(starts).to(self.device),
+                                      torch.from_numpy(lengths).to(self.device), int((starts + lengths).max()))
         if self.recorder is None:
-            return self.sampler.model(**inputs), None
-        return self.recorder.capture(lambda: self.sampler.model(**inputs))
+            return forward(), None
+        return self.recorder.capture(forward)
 
     def routing_of(self, row: int) -> np.ndarray | None:
         """[positions, layers, top_k] experts of the positions a trainer's forward needs (router
