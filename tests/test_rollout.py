@@ -69,7 +69,7 @@ def test_production_waits_for_weights_within_the_bound():
 def test_a_cut_round_continues_its_unfinished_responses_first_and_keeps_the_oldest_version():
     s = scheduler("rollout.max_staleness=1", "rollout.max_new_tokens=5", "train.steps=1")   # no batch 2 to start
     first = s.next_round(rollout_version=0)
-    rows = first.prompts(5)
+    rows = first.prompts(lambda g: 5)
     assert rows["budgets"].tolist() == [5] * 4
     done = s.finish_round(first, Ragged.from_rows([[5, 2], [6], [7, 7], [2]], np.int32),
                           Ragged.from_rows([[-1.0, -0.5], [-2.0], [-0.1, -0.2], [-0.3]], np.float32),
@@ -77,7 +77,7 @@ def test_a_cut_round_continues_its_unfinished_responses_first_and_keeps_the_olde
     assert done == [], "no group has all its responses ended"
     second = s.next_round(rollout_version=1)
     assert [(g.group_id, i) for g, i in second.samples] == [(0, 1), (1, 0)], "only the unfinished ones"
-    rows = second.prompts(5)
+    rows = second.prompts(lambda g: 5)
     prompt = groups_of(first)[0].prompt_ids.tolist()
     assert rows["prompt_ids"][0].tolist() == prompt + [6] and rows["budgets"].tolist() == [4, 3]
     done = s.finish_round(second, Ragged.from_rows([[2], [8, 2]], np.int32),
@@ -96,12 +96,12 @@ def test_production_balances_consumption_and_never_redoes_a_taken_batch():
     s = scheduler("rollout.max_staleness=2")
     first = s.next_round(0)
     assert first.batch == 1 and [g.batch for g in groups_of(first)] == [1, 1, 2, 2]
-    assert first.prompts(3)["needed"].tolist() == [True] * 4 + [False] * 4
+    assert first.prompts(lambda g: 3)["needed"].tolist() == [True] * 4 + [False] * 4
     finish(s, first, [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.5, 0.0])
     assert s.next_round(0) is None, "batches 1 and 2 are ready and untaken: rollout waits for training"
     s.take(1)                                   # training on batch 1 (policy 0 -> 1) starts
     third = s.next_round(0)
-    assert third.batch == 3 and "needed" not in third.prompts(3), "batch 3 alone, generated while step 1 trains"
+    assert third.batch == 3 and "needed" not in third.prompts(lambda g: 3), "batch 3 alone, generated while step 1 trains"
     assert s.take(2)[1]["staleness_max"] == 1
     with pytest.raises(RuntimeError, match="out of turn"):
         s.take(2)
@@ -283,3 +283,26 @@ def test_a_partial_rollout_response_is_corrected_token_by_token_by_the_versions_
     assert weights["importance_weights"][0].tolist() == pytest.approx([math.exp(0.1), math.exp(-1.5), 1.0, 1.0])
     ppo = off_policy_columns(job("rollout.is_correction=ppo").rollout, old, behaviour, stale)
     assert ppo["old_logprobs"][0].tolist() == pytest.approx([-0.2, -0.5, -0.3, -0.4])
+
+
+def test_with_stop_at_answer_length_a_repeat_response_may_run_to_its_answer_and_eos_and_no_further():
+    """The long-tail job's stop rule: each row's budget is its answer's tokens plus <eos> (capped by
+    rollout.max_new_tokens), less what a continued response already has; off, every row gets the cap."""
+    def first_round(*overrides: str):
+        config = load_job(REPO / "jobs" / "tiny_longtail.yaml", ["train.prompts_per_step=16", *overrides])
+        s = RolloutScheduler(config, DomainSampler(load_prompts(config, CharTokenizer())[0], seed=1),
+                             CharTokenizer().encode)
+        found = s.next_round(rollout_version=0)
+        return s, found, found.prompts(s.response_limit)["budgets"].tolist()
+
+    s, found, budgets = first_round("task.stop_at_answer_length=true", "rollout.max_new_tokens=20")
+    answers = [g.answer for g, _ in found.samples]
+    assert budgets == [min(20, len(a) + 1) for a in answers]
+    assert len(set(budgets)) > 2 and 20 in budgets, "answers of several lengths, some past the cap"
+    short = next(i for i, b in enumerate(budgets) if b < 20 and b > 2)
+    n = len(found.samples)
+    s.finish_round(found, Ragged.from_rows([[5]] * n, np.int32), Ragged.from_rows([[-1.0]] * n, np.float32),
+                   np.arange(n) != short)
+    continued = s.next_round(rollout_version=0)
+    assert continued.prompts(s.response_limit)["budgets"].tolist() == [budgets[short] - 1]
+    assert set(first_round("rollout.max_new_tokens=20")[2]) == {20}

@@ -131,6 +131,10 @@ class TaskConfig(Schema):
                                         "digit")
     max_count: PositiveInt | None = Field(None, description="repeat: the longest answer (default 64); an answer of "
                                           "n digits is drawn in proportion to 1/n")
+    stop_at_answer_length: bool | None = Field(None, description="repeat: a response ends after its answer's tokens "
+                                               "and <eos> (a longer one is wrong anyway), so that response lengths "
+                                               "follow the answers' long tail from the first step, whatever the "
+                                               "policy writes (default false)")
 
     @model_validator(mode="before")
     @classmethod
@@ -139,7 +143,7 @@ class TaskConfig(Schema):
         if not isinstance(data, dict):
             return data
         name = data.get("name", "addition")
-        own = {"addition": {"digits": 1, "modulus": None}, "repeat": {"max_count": 64}}
+        own = {"addition": {"digits": 1, "modulus": None}, "repeat": {"max_count": 64, "stop_at_answer_length": False}}
         for task, defaults in own.items():
             stray = [f for f in defaults if task != name and data.get(f) is not None]
             if stray and name in own:

@@ -66,13 +66,14 @@ class Round:
         """Whether any row of the round is of batch `batch`."""
         return any(g.batch == batch for g, _ in self.samples)
 
-    def prompts(self, max_new_tokens: int) -> dict[str, Ragged | np.ndarray]:
-        """The call's rows: each prompt followed by its response so far, and the tokens it may add;
-        in a round that also starts a later batch, which rows are `needed` (of batch `batch`): the
-        round ends when they have."""
+    def prompts(self, limit: Callable[[Group], int]) -> dict[str, Ragged | np.ndarray]:
+        """The call's rows: each prompt followed by its response so far, and the tokens it may add
+        (`limit(group)`, the most a response may have, less what it has); in a round that also starts
+        a later batch, which rows are `needed` (of batch `batch`): the round ends when they have."""
         prompts = Ragged.from_arrays([g.prompt_ids for g, _ in self.samples], np.int32)
         partial = Ragged.from_arrays([g.response_ids[i] for g, i in self.samples], np.int32)
-        rows = {"prompt_ids": Ragged.concat_rows(prompts, partial), "budgets": max_new_tokens - partial.lengths}
+        limits = np.array([limit(g) for g, _ in self.samples], np.int64)
+        rows = {"prompt_ids": Ragged.concat_rows(prompts, partial), "budgets": limits - partial.lengths}
         needed = np.array([g.batch == self.batch for g, _ in self.samples])
         if not needed.all():
             rows["needed"] = needed
@@ -80,7 +81,7 @@ class Round:
 
 
 class RolloutScheduler:
-    def __init__(self, job: JobConfig, sampler: DomainSampler, encode: Callable[[str], list[int]]):
+    def __init__(self, job: JobConfig, sampler: DomainSampler, encode: Callable[..., list[int]]):
         self.job = job
         self.sampler = sampler
         self.encode = encode
@@ -97,6 +98,15 @@ class RolloutScheduler:
         self.groups_unit = _groups_unit(job)         # a short batch holds a multiple of this many groups
 
     # -- production ---------------------------------------------------------------------------
+    def response_limit(self, group: Group) -> int:
+        """The most tokens a response of `group` may have: rollout.max_new_tokens, or for the repeat
+        task with task.stop_at_answer_length its answer's tokens and <eos>, if fewer."""
+        task = self.job.task
+        limit = self.job.rollout.max_new_tokens
+        if task is not None and task.stop_at_answer_length:
+            return min(limit, len(self.encode(group.answer, add_bos=False)) + 1)
+        return limit
+
     def may_produce(self, batch: int, rollout_version: int) -> bool:
         """Weights of version `rollout_version` may generate batch `batch` (the staleness bound)."""
         return batch - 1 - rollout_version <= self.max_staleness and batch <= self.job.train.steps

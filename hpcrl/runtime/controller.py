@@ -176,7 +176,7 @@ class Controller:
                 pending = _All(pending, self.groups["env"].call("serve_round", Dispatch.ONE_TO_ALL))
         else:
             pending = self.groups["actor_infer"].call("generate", Dispatch.DP_SPLIT,
-                                                      found.prompts(self.job.rollout.max_new_tokens), found.batch,
+                                                      found.prompts(self.scheduler.response_limit), found.batch,
                                                       found.index, False, self._interrupts)
         # behind a train call on the same ranks the round starts when that call ends (see _train)
         self.round = _InFlight(pending, time.perf_counter(), round=found, queued=self.shared_weights
