@@ -140,3 +140,20 @@ def test_a_batched_reward_that_fails_costs_its_domains_samples_only(monkeypatch)
     specs = {"judged": RewardSpec(reward_function("batch_rewards:broken")), "plain": RewardSpec(reward_function("number"))}
     rewards, codes = score_batch(tokenizer, responses, ["7", "7", "7"], ["judged", "plain", "judged"], specs)
     assert codes == ["reward_error", "wrong", "reward_error"] and rewards[0] == rewards[2] == 0.0
+
+
+def test_the_repeat_task_cut_at_its_answers_length_scores_nothing_for_its_digits():
+    """task.stop_at_answer_length cuts a response one token past its answer: without a stop it scores 0
+    (partial credit for its digits would pay a policy that never writes <eos>); stopped ones score as before."""
+    from conftest import REPO
+    from hpcrl.config import load_job
+    from hpcrl.rewards.scoring import reward_specs
+
+    job = load_job(REPO / "jobs" / "tiny_longtail.yaml", ["task.stop_at_answer_length=true"])
+    spec = reward_specs(job)["repeat"]
+    score = lambda text, stopped: spec.function(Response(text, stopped), "777", **spec.args)
+    assert score("7777", False) == Scored(0.0, "cut")
+    assert score("777", True) == Scored(1.0, "ok")
+    assert score("778", True).reward == pytest.approx(0.5 * 3 / 4)
+    plain = reward_specs(load_job(REPO / "jobs" / "tiny_longtail.yaml", ["task.stop_at_answer_length=false"]))["repeat"]
+    assert plain.function(Response("7777", False), "777", **plain.args).reward == pytest.approx(0.5 * 3 / 4)

@@ -30,8 +30,13 @@ def answer_reward(response: str, answer: str, stopped: bool, partial_credit: flo
     return partial_credit * hits / max(len(got), len(want))
 
 
-def number_reward(response: Response, reference: str, partial_credit: float = 0.5) -> Scored:
-    """`answer_reward` of the built-in tasks, as a registered reward."""
+def number_reward(response: Response, reference: str, partial_credit: float = 0.5, require_stop: bool = False
+                  ) -> Scored:
+    """`answer_reward` of the built-in tasks, as a registered reward; with `require_stop` a response
+    that did not stop scores 0 (task.stop_at_answer_length cuts only responses longer than their
+    answer, and partial credit for their digits would pay a policy that never stops)."""
+    if require_stop and not response.stopped:
+        return Scored(0.0, "cut")
     reward = answer_reward(response.text, reference, response.stopped, partial_credit)
     return Scored(reward, "ok" if reward == 1.0 else "wrong")
 

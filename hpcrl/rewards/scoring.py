@@ -32,7 +32,8 @@ class RewardSpec:
 def reward_specs(job: JobConfig) -> dict[str, RewardSpec]:
     """Each domain's reward: the datasets' (training and evaluation), or the built-in task's `number`."""
     if job.task is not None:
-        specs = {job.task.name: RewardSpec(reward_function("number"))}
+        specs = {job.task.name: RewardSpec(reward_function("number"),
+                                           {"require_stop": True} if job.task.stop_at_answer_length else {})}
     else:
         specs = {}
     for config in (job.datasets or []) + (job.eval.datasets or []):
