@@ -287,9 +287,8 @@ class Decoding:
         cached = np.array([0 if k is None else len(k[0]) for k in kept], np.int64)
         news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows, cached)], np.int32)
         new_lengths = news.lengths.astype(np.int64)
-        # a slot's columns: its prompt (padding included) and every token it may feed (lock-step: until
-        # the batch's longest ends)
-        self.cache.reserve(first + len(rows), int(cached.max() + new_lengths.max()) + self.width)
+        # the columns its prompts' positions take, padding included (decoding steps grow them as needed)
+        self.cache.reserve(first + len(rows), int(cached.max() + new_lengths.max()))
         for index, k in enumerate(kept):
             if k is not None:
                 self.cache.put(first + index, k[1])
@@ -357,6 +356,7 @@ class Decoding:
                 return ended
             chosen = chosen[torch.from_numpy(order).to(self.device)]
         fed = ~self.finished[self.active]   # lock-step's finished rows feed filler, whose routing is not kept
+        self.cache.reserve(len(self.active), int(self.filled.max()) + 1)
         self.logits, routes = self._forward(0, chosen.unsqueeze(-1), self.filled, np.ones(len(self.active), np.int64))
         self.filled += 1
         if routes is not None:

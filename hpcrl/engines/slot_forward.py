@@ -4,8 +4,9 @@ Why not the Hugging Face forward with its DynamicCache: per decoding step that f
 masks, cache objects and output classes in Python (about two thirds of a small model's step on
 CPU), and its cache grows by concatenation, so every step copies every sequence's keys and values;
 a sequence leaving the batch copies them all again. Here each sequence owns a slot of one cache
-allocated up front (its positions from column 0, no left padding), a step writes one column per
-slot, and a finished sequence's slot is refilled by moving one other sequence into it.
+(its positions from column 0, no left padding; the cache grows by doubling, so seldom), a step
+writes one column per slot, and a finished sequence's slot is refilled by moving one other
+sequence into it.
 
 The layers are the model's own modules (embedding, norms, projections, MLP or MoE block, rotary
 embedding, LM head), so a dense or mixture-of-experts LLaMA-family model (Qwen2, LLaMA, Qwen2-MoE,
