@@ -305,4 +305,4 @@ def test_with_stop_at_answer_length_a_repeat_response_may_run_to_its_answer_and_
                    np.arange(n) != short)
     continued = s.next_round(rollout_version=0)
     assert continued.prompts(s.response_limit)["budgets"].tolist() == [budgets[short] - 1]
-    assert set(first_round("rollout.max_new_tokens=20")[2]) == {20}
+    assert set(first_round("task.stop_at_answer_length=false", "rollout.max_new_tokens=20")[2]) == {20}
