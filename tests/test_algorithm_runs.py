@@ -77,8 +77,9 @@ def test_the_mismatch_correction_weights_fresh_samples_when_asked(tmp_path):
         assert m["rollout_logprob_gap_max"] == pytest.approx(SHIFT, abs=1e-3)
         # pi_old / pi_behaviour = exp(-shift) on every token, under the cap of 10
         assert m["is_weight_mean"] == pytest.approx(math.exp(-SHIFT), rel=1e-3)
-    # unset: the native sampler is the trainer's own code, so fresh samples are not corrected
-    auto = train(tmp_path / "auto", 1, env=shifted)
+    # unset: the native sampler is the trainer's own code, so fresh samples are not corrected (their
+    # log-probs recomputed, as asked, show the shift)
+    auto = train(tmp_path / "auto", 1, "--set", "rollout.recompute_logprobs=always", env=shifted)
     assert "is_weight_mean" not in auto[0] and auto[0]["rollout_logprob_gap_max"] == pytest.approx(SHIFT, abs=1e-3)
 
 

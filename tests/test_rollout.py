@@ -197,11 +197,18 @@ def test_async_run_never_exceeds_the_staleness_bound(tmp_path, correction):
     assert any(m["staleness_max"] > 0 for m in metrics), "rollout really ran ahead of training"
     assert all(sum(v for k, v in m.items() if k.startswith("staleness_") and k != "staleness_max") == 32
                for m in metrics)
+    # The trainer recomputes the old log-probs only where something reads them: tis takes the ratio
+    # against the trainer's policy on stale samples; ppo against the sampler's, which on fresh ones
+    # is the trainer's own (rollout.recompute_logprobs auto)
+    recomputed = ["rollout_logprob_gap_max" in m for m in metrics]
+    assert recomputed == ([m["staleness_max"] > 0 for m in metrics] if correction == "tis" else [False] * 8)
 
 
 def reference_synchronous_run(config, steps: int, directory: Path) -> list[float]:
-    """The synchronous pipeline written out plainly in one process: generate, score, logprobs,
-    advantages, train, copy the weights. Returns reward_mean per step and the final digest."""
+    """The synchronous pipeline written out plainly in one process: generate, score, the reference's
+    logprobs, advantages, train, copy the weights. The old log-probs are the sampler's (the native
+    sampler runs the trainer's modules on its fp32 weights: rollout.recompute_logprobs auto).
+    Returns reward_mean per step and the final digest."""
     from hpcrl.engines.lr_schedule import learning_rate
     from hpcrl.engines.model_files import load_full
     from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
@@ -225,10 +232,11 @@ def reference_synchronous_run(config, steps: int, directory: Path) -> list[float
         prompts = sampler.next_batch(config.train.prompts_per_step)
         prompt_ids = Ragged.from_rows([tok.encode(p.text) for p in prompts for _ in range(size)], np.int32)
         answers = [p.answer for p in prompts for _ in range(size)]
-        responses = rollout.generate(prompt_ids, params, sample_generator(config.seed, step, 0)).response_ids
+        generation = rollout.generate(prompt_ids, params, sample_generator(config.seed, step, 0))
+        responses, old = generation.response_ids, generation.logprobs
         rewards, _ = score_batch(tok, responses, answers, [p.domain for p in prompts for _ in range(size)],
                                  reward_specs(config))
-        old, reference = actor.logprobs(prompt_ids, responses), ref.logprobs(prompt_ids, responses)
+        reference = ref.logprobs(prompt_ids, responses)
         advantages = token_advantages(config.algorithm, rewards, np.arange(len(rewards)) // size, old, reference,
                                       None, config.algorithm.kl_in_reward.coef).columns["advantages"]
         actor.train_step(Samples(prompt_ids, responses, {"old_logprobs": old, "ref_logprobs": reference,

@@ -21,7 +21,7 @@ def short_run(tmp_path_factory):
     # two-digit sums, in a context of 8 positions: only the single-digit ones leave room for 3 new tokens
     result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), "--set", "train.steps=3",
                    "--set", "log.check_weights=true", "--set", "task.digits=2", "--set", "model.max_position_embeddings=8",
-                   *FAST, timeout=300)
+                   "--set", "rollout.recompute_logprobs=always", *FAST, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return run_dir, read_metrics(run_dir / "metrics.jsonl"), result.stderr
 
@@ -149,6 +149,7 @@ def test_a_context_parallel_trainer_trains_inside_the_runtime_with_rollouts_log_
     result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=3", *FAST,
                    "--set", "roles.actor_train.parallel.cp=2", "--set", f"roles.actor_train.fsdp={str(fsdp).lower()}",
                    "--set", f"roles.reference.fsdp={str(fsdp).lower()}", "--set", "log.check_weights=true",
+                   "--set", "rollout.recompute_logprobs=always",
                    "--set", "checkpoint.every=0", *COLOCATED, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
@@ -192,7 +193,7 @@ def test_the_first_round_starts_the_next_batch_in_the_slots_the_first_leaves_fre
     while batch 2's long responses go on. Step 2 trains on samples of version 0 only, which are
     corrected; every fresh token's log-prob is the trainer's (a token's version is right)."""
     result = hpcrl("run", "jobs/tiny_longtail.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=4",
-                   "--set", "rollout.max_staleness=1", *FAST, timeout=300)
+                   "--set", "rollout.max_staleness=1", "--set", "rollout.recompute_logprobs=always", *FAST, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -207,7 +208,7 @@ def test_rounds_cut_by_max_round_s_continue_their_responses_in_the_next_round(tm
     their tokens and log-probs and go on in the next round, and training still sees fresh samples
     whose behaviour log-probs are the trainer's."""
     result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(tmp_path), "--set", "train.steps=2",
-                   "--set", "rollout.max_round_s=0.5", *FAST,
+                   "--set", "rollout.max_round_s=0.5", "--set", "rollout.recompute_logprobs=always", *FAST,
                    env={"HPCRL_INJECT_DECODE_DELAY_S": "0.3"}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(tmp_path / "metrics.jsonl")
@@ -225,15 +226,17 @@ def _without_times(metrics: list[dict]) -> list[dict]:
 def test_rollout_on_the_trainers_own_weights_samples_and_trains_as_with_a_synced_copy(tmp_path):
     """Native rollout on the trainer's ranks (fp32, synchronous) samples with the trainer's own
     parameters: nothing is staged or pushed, the trainer stays resident through rollout, the old
-    log-probs are the rollout's (not recomputed), and the run matches the one with a synced copy:
-    the same samples and rewards, losses equal up to the recomputation's rounding."""
+    log-probs are the rollout's (not recomputed), and the run matches the one with a synced copy
+    whose log-probs the trainer recomputes (rollout.recompute_logprobs: always): the same samples
+    and rewards, losses equal up to the recomputation's rounding."""
     colocated = [*FAST, "--set", "train.steps=3", "--set", "checkpoint.every=0",
                  "--set", "roles.actor_infer.colocate_with=actor_train", "--set", "roles.actor_infer.parallel.dp=2"]
     runs = {}
     for shared in (True, False):
         run_dir = tmp_path / f"shared-{shared}"
         result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *colocated,
-                       "--set", f"rollout.share_trainer_weights={str(shared).lower()}", timeout=300)
+                       "--set", f"rollout.share_trainer_weights={str(shared).lower()}",
+                       "--set", f"rollout.recompute_logprobs={'auto' if shared else 'always'}", timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[shared] = (json.loads((run_dir / "plan.json").read_text()), read_metrics(run_dir / "metrics.jsonl"))
     (plan, shared), (copied_plan, copied) = runs[True], runs[False]

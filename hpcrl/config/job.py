@@ -359,6 +359,14 @@ class RolloutConfig(Schema):
                                   "newer weights, which are pushed at once; its unfinished responses continue with "
                                   "them, each token keeping the version (and behaviour log-prob) that sampled it. "
                                   "false: new weights wait for the round's end")
+    recompute_logprobs: Literal["auto", "always"] = Field(
+        "auto", description="the trainer's forward over each batch for its old log-probs. auto: only where "
+                            "rollout's are not the trainer's own (vLLM, bfloat16, a Megatron or DeepSpeed trainer) "
+                            "or something needs the trainer's (mismatch_correction; on stale samples is_correction "
+                            "tis, mis, seq-tis or algorithm.kl_in_reward); otherwise the native sampler's log-probs "
+                            "are the torch trainer's up to rounding (its own modules on the same float32 weights) "
+                            "and are used as they are. always: every step, which logs rollout_logprob_gap_max, the "
+                            "check that rollout sampled with the weights the trainer holds")
     share_trainer_weights: bool = Field(True, description="native rollout on the ranks of a torch (DDP) trainer, "
                                         "in float32, with max_staleness 0: sample with the trainer's own parameters "
                                         "(no copy, no weight sync; the trainer's state then stays resident while "
@@ -634,6 +642,12 @@ class JobConfig(Schema):
         if engine == "deepspeed":
             return config.zero_stage or 2
         return 3 if engine == "torch" and config.fsdp else 0
+
+    def rollout_logprobs_are_trainers(self) -> bool:
+        """Whether rollout's log-probabilities are the trainer's at the same weights, up to rounding: the
+        native sampler runs the torch trainer's own modules on the float32 weights it is sent or shares."""
+        return (self.engine("actor_infer") == "native" and self.engine("actor_train") == "torch"
+                and self.model.dtype == "float32")
 
     def corrects_mismatch(self) -> bool:
         """Whether behaviour log-probabilities correct fresh samples too (rollout.mismatch_correction)."""

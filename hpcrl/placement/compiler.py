@@ -247,16 +247,14 @@ def _check_tp_in_node(roles: dict[str, _Role], slots: dict[str, list[int]], per_
                     f"({how}); a TP group must stay inside one node: change tp or the placement")
 
 
-def _rollout_shares_weights(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[int]]) -> bool:
+def _rollout_shares_weights(job: JobConfig, slots: dict[str, list[int]]) -> bool:
     """Whether rollout samples with the trainer's own parameters (rollout.share_trainer_weights): the
     native sampler on exactly the ranks of a DDP torch trainer, whose fp32 weights are the ones it
     would be sent, and a synchronous pipeline, so that rollout never runs while they change; not with
     context parallelism (the trainer's attention then needs its cp peers)."""
-    infer, train = roles["actor_infer"], roles["actor_train"]
-    return (job.rollout.share_trainer_weights and infer.engine == "native" and train.engine == "torch"
+    return (job.rollout.share_trainer_weights and job.rollout_logprobs_are_trainers()
             and not job.roles.actor_train.fsdp and job.roles.actor_train.parallel.cp == 1
-            and job.model.dtype == "float32" and job.rollout.max_staleness == 0
-            and slots["actor_infer"] == slots["actor_train"])
+            and job.rollout.max_staleness == 0 and slots["actor_infer"] == slots["actor_train"])
 
 
 def _colocation_root(roles: dict[str, _Role], name: str) -> str:
@@ -469,7 +467,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     _check_tp_in_node(roles, slots, per_node)
     _check_stage_conflicts(roles, slots, per_node)
 
-    shared_weights = _rollout_shares_weights(job, roles, slots)
+    shared_weights = _rollout_shares_weights(job, slots)
     memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb,
                                          shared_weights=shared_weights)
               for name, role in roles.items()}

@@ -256,6 +256,17 @@ class Controller:
             rewards, codes = self.scorer.finish(flight.pending, responses)
             self.scheduler.rewarded(flight.groups, rewards, codes)
 
+    def _recomputes_old_logprobs(self, fresh: np.ndarray) -> bool:
+        """Whether the trainer recomputes a batch's old log-probs (rollout.recompute_logprobs). Where rollout
+        ran the trainer's own model code on its float32 weights, the behaviour log-probs of fresh tokens
+        are the old policy's up to rounding, and those of stale tokens are what the ppo correction takes
+        the ratio against: a recompute would give the same numbers, or numbers nothing reads."""
+        if (self.job.rollout.recompute_logprobs == "always" or not self.job.rollout_logprobs_are_trainers()
+                or self.job.corrects_mismatch()):
+            return True
+        stale_need_proximal = self.job.rollout.is_correction != "ppo" or self.kl_in_reward_coef > 0
+        return bool(stale_need_proximal and not fresh.all())
+
     def _add_time(self, stage: str, seconds: float) -> None:
         self.times[f"time_{stage}_s"] = self.times.get(f"time_{stage}_s", 0.0) + seconds
 
@@ -275,9 +286,7 @@ class Controller:
         loss_mask, token_rewards = ((Ragged.from_arrays([m for g in groups for m in g.loss_masks], np.float32),
                                      Ragged.from_arrays([r for g in groups for r in g.token_rewards], np.float32))
                                     if self.job.env is not None else (None, None))
-        # Sampled with the trainer's own parameters (and model code) at this version, the behaviour
-        # log-probs are the old policy's: recomputing them would give the same numbers.
-        recompute = not (self.shared_weights and fresh.all())
+        recompute = self._recomputes_old_logprobs(fresh)
         started = time.perf_counter()
         self.train_busy.start()
         self.residency.enter("logprobs")
