@@ -4,9 +4,13 @@ The same job for both: the model (the job's Qwen2 config and its random initial 
 seed), the tokenizer (hpcrl's character tokenizer as a Hugging Face one), the prompts (the built-in
 task's), the reward (hpcrl's `number` reward), group size, prompts per step, two optimizer steps per
 batch (train.minibatches; TRL: steps_per_generation), lr and its cosine schedule to min_lr_ratio,
-the clip range, KL to the reference as a k3 loss term (TRL's beta), the entropy bonus, response
-length and temperature. TRL generates with transformers (no vLLM), as hpcrl's native sampler does.
-Runs interleaved (hpcrl, TRL, hpcrl, TRL, ...), one at a time, each in a process of its own.
+the clip range, KL to the reference as a k3 loss term (TRL's beta, without its importance-ratio
+weighting), the entropy bonus, response length and temperature, the model's dtype (TRL's bf16
+autocast is off for a float32 job) and activation checkpointing (train.recompute; TRL's default is
+on). One difference stays: TRL's entropy bonus is a token mean over the batch, hpcrl's is
+aggregated as the job's loss (algorithm.loss_agg, as verl does). TRL generates with transformers
+(no vLLM), as hpcrl's native sampler does. Runs interleaved (hpcrl, TRL, hpcrl, TRL, ...), one at
+a time, each in a process of its own.
 
 Printed per system (means over the seeds and repetitions): samples/s over the steps after the
 first five, wall time of the whole process, start-up (process start to the first step's start), and
@@ -103,7 +107,12 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
         lr_scheduler_kwargs={"min_lr_rate": train.min_lr_ratio}, warmup_steps=0, weight_decay=train.weight_decay,
         max_grad_norm=train.grad_clip or 0.0, loss_type="grpo", beta=algo.kl_loss.coef, epsilon=algo.clip_low,
         epsilon_high=algo.clip_high, entropy_coef=algo.entropy_coef, max_completion_length=job.rollout.max_new_tokens,
-        temperature=job.rollout.temperature, top_p=job.rollout.top_p, top_k=job.rollout.top_k)
+        temperature=job.rollout.temperature, top_p=job.rollout.top_p, top_k=job.rollout.top_k,
+        # TRL's own defaults that would make its job another one: bf16 autocast (the job's model is
+        # float32), activation checkpointing (train.recompute), and its KL term weighted by the
+        # importance ratio (DeepSeek-V3.2's; the job's is the plain k3 loss)
+        bf16=job.model.dtype == "bfloat16", gradient_checkpointing=job.train.recompute,
+        use_bias_correction_kl=False)
     record = {"step_ends": [], "rewards": [], "samples_per_step": samples, "updates_per_step": train.minibatches}
 
     class Times(TrainerCallback):
