@@ -22,6 +22,7 @@ over several seeds.
     .venv/bin/python bench/vs_trl.py [--job jobs/tiny_grpo.yaml] [--steps 200] [--repeats 2] [--seeds 1 2 3 4]
                                      [--layout colocated|job]
     .venv/bin/python bench/vs_trl.py --job jobs/tiny_longtail.yaml --steps 100     # the long-tail variant
+    .venv/bin/python bench/vs_trl.py --check-gradient    # the two losses' gradients on one batch
 """
 from __future__ import annotations
 
@@ -69,11 +70,9 @@ def hpcrl_run(job_path: str, steps: int, seed: int, overrides: list[str], run_di
             "start-up s": summary["wall s"] - inside, "wall s": summary["wall s"]}
 
 
-def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
-    """TRL's GRPOTrainer on the job's model, data and reward; writes the step times and rewards."""
-    import torch
+def trl_trainer(job_path: str, steps: int, seed: int, out: Path, overrides: tuple[str, ...] = (), callbacks=()):
+    """(TRL's GRPOTrainer on the job's model, prompts and reward, the job) in this process."""
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from hpcrl.config import load_job
@@ -82,8 +81,7 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
     from hpcrl.engines.hf_model import random_model
     from hpcrl.rewards.math import answer_reward
 
-    torch.set_num_threads(2)
-    job = load_job(job_path, [f"seed={seed}"])
+    job = load_job(job_path, [f"seed={seed}", *overrides])
     tokenizer = CharTokenizer()
     hf_tokenizer = tokenizer.to_hf()
     hf_tokenizer.padding_side = "left"
@@ -113,7 +111,18 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
         # importance ratio (DeepSeek-V3.2's; the job's is the plain k3 loss)
         bf16=job.model.dtype == "bfloat16", gradient_checkpointing=job.train.recompute,
         use_bias_correction_kl=False)
-    record = {"step_ends": [], "rewards": [], "samples_per_step": samples, "updates_per_step": train.minibatches}
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=hf_tokenizer, callbacks=list(callbacks))
+    return trainer, job
+
+
+def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
+    """TRL's GRPOTrainer on the job's model, data and reward; writes the step times and rewards."""
+    import torch
+    from transformers import TrainerCallback
+
+    torch.set_num_threads(2)
+    record = {"step_ends": [], "rewards": []}
 
     class Times(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -126,10 +135,56 @@ def trl_child(job_path: str, steps: int, seed: int, out: Path) -> None:
             if logs and "reward" in logs:
                 record["rewards"].append(logs["reward"])
 
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=hf_tokenizer, callbacks=[Times()])
+    trainer, job = trl_trainer(job_path, steps, seed, out, callbacks=[Times()])
+    record.update(samples_per_step=job.train.prompts_per_step * job.algorithm.group_size,
+                  updates_per_step=job.train.minibatches)
     trainer.train()
     out.write_text(json.dumps(record))
+
+
+def check_gradient(job_path: str, overrides: tuple[str, ...], out: Path) -> float:
+    """The largest relative difference, over the parameters, between the gradients of TRL's
+    `_compute_loss` and hpcrl's `policy_objective` on one batch: the job's float32 initial weights,
+    two prompts' groups of random responses of 1-3 tokens, random advantages, and old and reference
+    log-probs off the current ones by noise (so that the clip and the KL act)."""
+    import numpy as np
+    import torch
+
+    from hpcrl.data import CharTokenizer
+    from hpcrl.data.tasks import task_prompts
+    from hpcrl.engines.batch import pack, response_logprobs
+    from hpcrl.engines.hf_model import random_model
+    from hpcrl.engines.objective import policy_objective
+    from hpcrl.ragged import Ragged
+
+    trainer, job = trl_trainer(job_path, 1, 1, out, overrides)
+    trainer.current_gradient_accumulation_steps = 1
+    tokenizer, size = CharTokenizer(), 2 * job.algorithm.group_size
+    theirs, ours = trainer.model, random_model(job.model, tokenizer, job.seed)
+    theirs.train(), ours.train()
+    generator = torch.Generator().manual_seed(0)
+    prompts = task_prompts(job.task)
+    batch = pack(Ragged.from_rows([tokenizer.encode(prompts[i // job.algorithm.group_size].text) for i in range(size)],
+                                 np.int32),
+                 Ragged.from_rows([torch.randint(3, tokenizer.vocab_size, (int(n),), generator=generator).numpy()
+                                   for n in torch.randint(1, 4, (size,), generator=generator)], np.int32),
+                 tokenizer.pad_token_id)
+    mask, width = batch["response_mask"].float(), batch["response_ids"].shape[1]
+    with torch.no_grad():
+        current, _ = response_logprobs(ours, batch, job.rollout.temperature)
+    old = (current + 0.3 * torch.randn(current.shape, generator=generator)) * mask
+    ref = (current + 0.5 * torch.randn(current.shape, generator=generator)) * mask
+    advantages = torch.randn(size, generator=generator)
+    prompt_width = batch["input_ids"].shape[1] - width
+    trainer._compute_loss(theirs, {
+        "prompt_ids": batch["input_ids"][:, :prompt_width], "prompt_mask": batch["attention_mask"][:, :prompt_width],
+        "completion_ids": batch["response_ids"], "completion_mask": batch["response_mask"],
+        "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref}).backward()
+    logprobs, entropy = response_logprobs(ours, batch, job.rollout.temperature, with_entropy=True)
+    columns = {"old_logprobs": old, "ref_logprobs": ref, "advantages": advantages[:, None] * mask}
+    policy_objective(logprobs, entropy, columns, mask, job, float(mask.sum()), size)[0].backward()
+    return max(float((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp(min=1e-12))
+               for a, b in zip(theirs.parameters(), ours.parameters()))
 
 
 def main() -> int:
@@ -140,8 +195,17 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--layout", choices=LAYOUTS, default="colocated",
                         help="hpcrl's placement of the roles (the model, data and algorithm stay the job's)")
+    parser.add_argument("--check-gradient", action="store_true",
+                        help="only compare TRL's and hpcrl's loss gradients on one batch, with and without the "
+                             "entropy bonus, and print the largest relative differences")
     parser.add_argument("--trl-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.check_gradient:
+        with tempfile.TemporaryDirectory() as tmp:
+            for label, overrides in (("as the job", ()), ("without the entropy bonus", ("algorithm.entropy_coef=0",))):
+                worst = check_gradient(args.job, overrides, Path(tmp) / f"check-{len(overrides)}")
+                print(f"{args.job}, {label}: largest relative gradient difference, TRL against hpcrl: {worst:.2e}")
+        return 0
     if args.trl_child:
         job_path, steps, seed, out = args.trl_child
         trl_child(job_path, int(steps), int(seed), Path(out))
