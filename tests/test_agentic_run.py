@@ -28,7 +28,7 @@ def test_an_env_job_trains_on_masked_trajectories_and_resumes_its_buffer_bit_for
     on them exactly as the uninterrupted run did."""
     straight = tmp_path / "straight"
     args = ["run", "jobs/tiny_frozenlake.yaml", *SMALL, "--set", "rollout.max_staleness=1",
-            "--set", "algorithm.name=gigpo",
+            "--set", "algorithm.name=gigpo", "--set", "rollout.recompute_logprobs=always",
             "--set", "checkpoint.every=2", "--set", "train.steps=3"]
     result = hpcrl(*args, "--run-dir", str(straight), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -207,7 +207,8 @@ def test_grpo_with_router_replay_runs_and_in_fp32_rollout_and_trainer_route_alik
         pytest.skip("megatron-core is not installed (pip install hpcrl[megatron])")
     run_dir = tmp_path / "run"
     job, extra = RUNS[run]
-    overrides = ["model.arch=qwen3_moe", *MOE, "train.steps=2", "log.tensorboard=false", *extra]
+    overrides = ["model.arch=qwen3_moe", *MOE, "train.steps=2", "log.tensorboard=false",
+                 "rollout.recompute_logprobs=always", *extra]
     trained = hpcrl("run", f"jobs/{job}.yaml", "--run-dir", str(run_dir),
                     *[x for o in overrides for x in ("--set", o)], timeout=300)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
