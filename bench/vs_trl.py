@@ -160,6 +160,8 @@ def check_gradient(job_path: str, overrides: tuple[str, ...], out: Path) -> floa
     trainer, job = trl_trainer(job_path, 1, 1, out, overrides)
     trainer.current_gradient_accumulation_steps = 1
     tokenizer, size = CharTokenizer(), 2 * job.algorithm.group_size
+    # ours is built afresh, not deep-copied from theirs: accelerate binds the prepared model's forward
+    # to that model object, so a copy's forward would still run (and put gradients on) the original
     theirs, ours = trainer.model, random_model(job.model, tokenizer, job.seed)
     theirs.train(), ours.train()
     generator = torch.Generator().manual_seed(0)
