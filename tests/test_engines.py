@@ -76,7 +76,8 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
     """Rows leave the batch as they finish and waiting prompts take their slots; every row samples
     from draws of its own seed, so with the same seeds the tokens and log-probs are those of each prompt
     generated alone, for any number of slots, and in lock-step (which decodes every row of a batch
-    until the batch's longest has ended: more work for the same tokens)."""
+    until the batch's longest has ended: more work for the same tokens). A prompt repeated among
+    those admitted together (a group's samples) is prefilled once."""
     _, tokenizer, model = tiny()
     prompts = rows([tokenizer.encode(f"{a}+{b}=") for a, b in [(1, 2), (34, 5), (6, 78), (9, 0), (12, 3)] * 3])
     seeds = np.arange(len(prompts)) * 101 + 7
@@ -85,11 +86,11 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
         prompts.take(np.array([i])), params, torch.Generator(), seeds=seeds[i:i + 1]) for i in range(len(prompts))]
     lengths = {len(a.response_ids[0]) for a in alone}
     assert len(lengths) > 2, "the responses end at different lengths (else no row would leave early)"
-    decoded = []   # rows of each one-token forward (the decoding steps; prefills take whole prompts)
+    decoded, prefilled = [], []   # rows of each one-token forward (decoding steps), and of each prefill
     hook = model.model.embed_tokens.register_forward_pre_hook(
-        lambda _, args: decoded.append(len(args[0])) if args[0].shape[1] == 1 else None)
+        lambda _, args: (decoded if args[0].shape[1] == 1 else prefilled).append(len(args[0])))
     for slots, lockstep in [(None, False), (4, False), (1, False), (None, True), (4, True)]:
-        decoded.clear()
+        decoded.clear(), prefilled.clear()
         sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=slots,
                                 lockstep=lockstep)
         out = sampler.generate(prompts, params, torch.Generator(), seeds=seeds)
@@ -97,6 +98,8 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
         for row, a in zip(out.logprobs, alone):
             assert np.allclose(row, a.logprobs[0], atol=1e-5)
         assert out.finished.all()
+        if slots is None:   # all 15 admitted at once: each of the 5 prompts prefilled once
+            assert prefilled == [5], prefilled
         lengths = out.response_ids.lengths
         if not lockstep:   # a row is fed each of its tokens but its last, and nothing after it
             assert sum(decoded) == lengths.sum() - len(lengths), slots

@@ -184,6 +184,13 @@ def _uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
+def _first_with_same_prompt(prompts: list[np.ndarray | None]) -> np.ndarray:
+    """Per prompt, the index of the first with the same ids (None: one of its own)."""
+    seen: dict[bytes, int] = {}
+    return np.array([index if p is None else seen.setdefault(p.tobytes(), index) for index, p in enumerate(prompts)],
+                    np.int64)
+
+
 def _inverse_cdf(probs: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:
     """Per row, the token whose cumulative-probability interval holds the row's uniform (zero-probability
     tokens have empty intervals, so they are never drawn)."""
@@ -277,7 +284,9 @@ class Decoding:
 
     def admit(self) -> None:
         """Prefill waiting prompts into the free slots and add them to the decoding batch; a prompt
-        that continues its session's kept cache prefills only its new tokens."""
+        that continues its session's kept cache prefills only its new tokens. A prompt that another
+        admitted with it repeats (a GRPO group's samples) is prefilled once: the copies take its
+        keys and values and its logits (vLLM's prefix caching, for the whole prompt)."""
         first = len(self.active)
         free = (self.sampler.max_seqs or len(self.prompts)) - first
         if free <= 0 or not self.waiting or (self.sampler.lockstep and first):
@@ -285,8 +294,14 @@ class Decoding:
         rows = np.array([self.waiting.popleft() for _ in range(min(free, len(self.waiting)))])
         kept = [self._past(int(row)) for row in rows]
         cached = np.array([0 if k is None else len(k[0]) for k in kept], np.int64)
-        news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows, cached)], np.int32)
-        new_lengths = news.lengths.astype(np.int64)
+        source = _first_with_same_prompt([self.prompts[row] if n == 0 else None for row, n in zip(rows, cached)])
+        # the prompts prefilled (the first of each) take the first slots, their copies the ones after
+        order = np.argsort(source != np.arange(len(rows)), kind="stable")
+        rows, cached, kept = rows[order], cached[order], [kept[i] for i in order]
+        source = np.argsort(order)[source[order]]   # each row's prefilled one, by its new index
+        unique = int((source == np.arange(len(rows))).sum())
+        news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows[:unique], cached)], np.int32)
+        new_lengths = news.lengths.astype(np.int64)[source]
         # the columns its prompts' positions take, padding included (decoding steps grow them as needed)
         self.cache.reserve(first + len(rows), int(cached.max() + new_lengths.max()))
         for index, k in enumerate(kept):
@@ -294,12 +309,16 @@ class Decoding:
                 self.cache.put(first + index, k[1])
         ids = torch.from_numpy(news.padded(max(1, news.max_length()), self.sampler.pad_id).astype(np.int64))
         filled = cached + new_lengths
-        logits, routes = self._forward(first, ids.to(self.device), cached, new_lengths)
+        logits, routes = self._forward(first, ids.to(self.device), cached[:unique], new_lengths[:unique])
+        if unique < len(rows):
+            copies = torch.from_numpy(first + np.arange(unique, len(rows))).to(self.device)
+            self.cache.move(torch.from_numpy(first + source[unique:]).to(self.device), copies, int(filled.max()))
+            logits = logits[torch.from_numpy(source).to(self.device)]
         if routes is not None:   # each row's real (not padding) positions, after its session's kept ones
             routes = routes.reshape(*ids.shape, *routes.shape[1:])
             for index, row in enumerate(rows):
                 before = [] if kept[index] is None else [kept[index][2]]
-                self.prefill_routes[row] = np.concatenate([*before, routes[index][:new_lengths[index]]])
+                self.prefill_routes[row] = np.concatenate([*before, routes[source[index]][:new_lengths[index]]])
         self.logits = torch.cat([self.logits, logits]) if first else logits
         self.active = np.concatenate([self.active, rows])
         self.filled = np.concatenate([self.filled, filled])
