@@ -107,6 +107,30 @@ def test_production_balances_consumption_and_never_redoes_a_taken_batch():
         s.take(2)
 
 
+def test_a_batch_is_settled_once_its_responses_end_unless_rewards_decide_its_groups():
+    """The controller sends a batch's log-prob calls when `settled` gives its groups, before their
+    scores: they must be the groups `take` then gives, in its order; never the wrong ones."""
+    s = scheduler("rollout.max_staleness=1", "rollout.max_new_tokens=5", "train.steps=2")
+    first = s.next_round(0)   # batch 1, and batch 2 in the slots its rows leave free
+    cut = np.array([True, True, True, True, True, False, True, True])   # one of batch 2's responses runs on
+    done = s.finish_round(first, Ragged.from_rows([[5, 2]] * 8, np.int32),
+                          Ragged.from_rows([[-1.0, -0.5]] * 8, np.float32), cut)
+    assert s.settled(2) is None, "not the next batch"
+    settled = s.settled(1)
+    assert [g.group_id for g in settled] == [0, 1] and all(g.state is SampleState.GENERATING for g in settled)
+    s.rewarded(done, np.array([1.0, 0.0, 0.5, 0.0, 1.0, 0.0]))
+    assert s.take(1)[0] == settled
+    assert s.settled(2) is None, "a response of batch 2 has not ended"
+    second = s.next_round(1)
+    s.finish_round(second, Ragged.from_rows([[2]], np.int32), Ragged.from_rows([[-0.3]], np.float32), np.ones(1, bool))
+    assert [g.group_id for g in s.settled(2)] == [2, 3]
+    dynamic = scheduler("algorithm.dynamic_sampling=true")
+    round_ = dynamic.next_round(0)
+    dynamic.finish_round(round_, Ragged.from_rows([[5, 2]] * 4, np.int32), Ragged.from_rows([[-1.0, -0.5]] * 4,
+                         np.float32), np.ones(4, bool))
+    assert dynamic.settled(1) is None, "dynamic sampling picks the batch's groups by their rewards"
+
+
 def test_take_checks_every_sample_against_the_bound():
     s = scheduler("rollout.max_staleness=1")
     first = s.next_round(0)

@@ -254,6 +254,18 @@ class RolloutScheduler:
             return False
         return len(groups) == self.groups_per_batch or (self._exhausted(batch) and self._usable(batch) > 0)
 
+    def settled(self, batch: int) -> list[Group] | None:
+        """The groups batch `batch` will train on, in `take`'s order, once that is decided before their
+        scores: it is the next batch, every response of its groups has ended, and no dynamic sampling
+        (which drops groups by their rewards and refills); None until then. The controller starts
+        the batch's log-probs on them while their scores are computed."""
+        if self.job.algorithm.dynamic_sampling or batch != self.next_batch:
+            return None
+        groups = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+        if len(groups) != self.groups_per_batch or not all(g.done for g in groups):
+            return None
+        return groups
+
     def take(self, batch: int) -> tuple[list[Group], dict[str, float]]:
         """Hand batch `batch` to training; checks every sample's staleness against the bound."""
         if batch != self.next_batch or not self.ready(batch):

@@ -90,6 +90,20 @@ class _InFlight:
     queued: bool = False                # generation: sent behind the train call on the same ranks
 
 
+@dataclass
+class _Logprobs:
+    """A batch's log-prob calls (the actor's recompute, the reference's, the critic's values), sent as
+    soon as the batch's sequences are final: before its scores are in, where that is known then."""
+
+    step: int
+    groups: list[Group]
+    sequences: dict[str, Ragged]
+    actor: dict[str, Ragged]          # the sequences, and the rollout's routing to replay
+    fresh: np.ndarray                 # per token: sampled by the weights the trainer holds
+    recompute: bool
+    pending: list[Pending]
+
+
 class Controller:
     def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path, preemption: PreemptionSignal,
                  restart: bool = False, allowed_changes: Sequence[str] = ()):
@@ -127,6 +141,7 @@ class Controller:
         self.history: list[dict[str, float]] = []
         self.round: _InFlight | None = None      # generation
         self.training: _InFlight | None = None   # logprobs are done; the train call is in flight
+        self.logprobs: _Logprobs | None = None    # the next batch's, sent while its scores are computed
         self.staging: _InFlight | None = None
         self.pushing: _InFlight | None = None
         self.train_digest: str | None = None     # of the staged weights, when digests were asked for
@@ -208,6 +223,7 @@ class Controller:
             return
         done = self.scheduler.finish_round(flight.round, result["response_ids"], result["behaviour_logprobs"],
                                            result["finished"], routed_experts=result.get("routed_experts"))
+        self._request_logprobs_early()
         if done:
             prompts = Ragged.from_arrays([g.prompt_ids for g in done for _ in range(g.size)], np.int32)
             responses = Ragged.from_arrays([r for g in done for r in g.response_ids], np.int32)
@@ -256,6 +272,36 @@ class Controller:
             rewards, codes = self.scorer.finish(flight.pending, responses)
             self.scheduler.rewarded(flight.groups, rewards, codes)
 
+    def _request_logprobs_early(self) -> None:
+        """Send the next batch's log-prob calls now if its sequences are final, so that they run while
+        the controller (or the reward workers) score it, as verl's launch_reward_fn_async overlaps
+        the reward with the old log-probs: the trainer ranks would otherwise wait for the scores
+        (the tiny job's scoring is 5 ms a step; a code sandbox's can be seconds). Calls are FIFO
+        per rank, and the train call of the batch before it went out with its take: the actor's
+        recompute runs on the weights this batch will train. Not while that call runs (K >= 1):
+        queued behind it, the calls would hold back the staging of its weights for rollout."""
+        batch = self.scheduler.next_batch
+        if (self.logprobs is None and self.training is None
+                and (groups := self.scheduler.settled(batch)) is not None):
+            self.logprobs = self._request_logprobs(batch, groups)
+
+    def _request_logprobs(self, step: int, groups: list[Group]) -> _Logprobs:
+        sequences = {"prompt_ids": Ragged.from_arrays([g.prompt_ids for g in groups for _ in range(g.size)], np.int32),
+                     "response_ids": Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)}
+        versions = np.concatenate([v for g in groups for v in g.token_versions])
+        fresh = versions == step - 1   # sampled by the weights the trainer holds
+        recompute = self._recomputes_old_logprobs(fresh)
+        self.train_busy.start()
+        self.residency.enter("logprobs")
+        # the actor replays the rollout's routing (router_replay)
+        actor = {**sequences, **routing_column([(g, i) for g in groups for i in range(g.size)])}
+        pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, actor)] if recompute else []
+        if "reference" in self.groups:
+            pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
+        if "critic" in self.groups:
+            pending.append(self.groups["critic"].call("values", Dispatch.DP_SPLIT, sequences))
+        return _Logprobs(step, groups, sequences, actor, fresh, recompute, pending)
+
     def _recomputes_old_logprobs(self, fresh: np.ndarray) -> bool:
         """Whether the trainer recomputes a batch's old log-probs (rollout.recompute_logprobs). Where rollout
         ran the trainer's own model code on its float32 weights, the behaviour log-probs of fresh tokens
@@ -275,31 +321,26 @@ class Controller:
         """Logprobs and advantages for batch `step` (synchronous), then the train call (asynchronous)."""
         algo = self.job.algorithm
         groups, stats = self.scheduler.take(step)
-        sequences = {"prompt_ids": Ragged.from_arrays([g.prompt_ids for g in groups for _ in range(g.size)], np.int32),
-                     "response_ids": Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)}
+        started = time.perf_counter()
+        sent, self.logprobs = self.logprobs, None
+        if sent is None:
+            sent = self._request_logprobs(step, groups)
+        elif sent.step != step or [g.group_id for g in sent.groups] != [g.group_id for g in groups]:
+            raise RuntimeError(f"the log-probs sent early were for batch {sent.step}'s groups "
+                               f"{[g.group_id for g in sent.groups]}, batch {step} has {[g.group_id for g in groups]}")
+        sequences, actor, fresh, recompute = sent.sequences, sent.actor, sent.fresh, sent.recompute
         behaviour = Ragged.from_arrays([lp for g in groups for lp in g.behaviour_logprobs], np.float32)
         versions = np.concatenate([v for g in groups for v in g.token_versions])
         rewards = np.concatenate([g.rewards for g in groups])
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
-        fresh = versions == step - 1   # sampled by the weights the trainer holds
         # an env's trajectories: observation tokens are context, not the policy's (no loss, no log-prob)
         loss_mask, token_rewards = ((Ragged.from_arrays([m for g in groups for m in g.loss_masks], np.float32),
                                      Ragged.from_arrays([r for g in groups for r in g.token_rewards], np.float32))
                                     if self.job.env is not None else (None, None))
-        recompute = self._recomputes_old_logprobs(fresh)
-        started = time.perf_counter()
-        self.train_busy.start()
-        self.residency.enter("logprobs")
-        # the actor replays the rollout's routing (router_replay)
-        actor = {**sequences, **routing_column([(g, i) for g in groups for i in range(g.size)])}
-        pending = [self.groups["actor_train"].call("logprobs", Dispatch.DP_SPLIT, actor)] if recompute else []
-        if "reference" in self.groups:
-            pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
-        if "critic" in self.groups:
-            pending.append(self.groups["critic"].call("values", Dispatch.DP_SPLIT, sequences))
         columns: dict[str, Ragged] = {} if recompute else {"old_logprobs": behaviour}
-        for result in wait(*pending):
+        for result in wait(*sent.pending):
             columns.update(result)
+        # the wait for them here: what they add to the step beyond the scoring they overlapped
         self._add_time("logprobs", time.perf_counter() - started)
         old, ref = columns["old_logprobs"], columns.get("ref_logprobs")
         found = token_advantages(algo, rewards, group_index, old, ref, columns.get("values"), self.kl_in_reward_coef,
@@ -437,10 +478,13 @@ class Controller:
                 self._pushed()
 
     def _settle(self) -> None:
-        """Let the round, its scoring, the staging and the push in flight end (checks, checkpoints)."""
+        """Let the round, its scoring, the early log-probs, the staging and the push in flight end
+        (checks, checkpoints); the log-probs' replies are kept for the train call."""
         if self.round is not None:
             wait(self.round.pending)
             self._finish_round()
+        if self.logprobs is not None:
+            wait(*self.logprobs.pending)
         if self.scoring:
             wait(*[f.pending for f in self.scoring])
             self._finish_scoring()
