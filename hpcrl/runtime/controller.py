@@ -3,7 +3,8 @@
 An event loop over asynchronous worker calls. Production: generation rounds on the rollout ranks,
 scored as each returns, while training runs (the next round of a batch waits for the scores:
 dynamic sampling decides from them what to refill). Consumption: for step b, logprobs (actor and
-reference) -> advantages -> train, then the trainer stages its weights in host memory and goes on.
+reference; sent while b is scored when its groups are known by then) -> advantages -> train, then
+the trainer stages its weights in host memory and goes on.
 The staged weights are pushed to rollout at its next round boundary, never into a running round,
 so neither side sits in a collective waiting for the other's work. The rollout scheduler decides
 what may be generated with which weights (the staleness bound); with `rollout.max_staleness: 0`
