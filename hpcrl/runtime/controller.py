@@ -100,7 +100,7 @@ class _Logprobs:
     groups: list[Group]
     sequences: dict[str, Ragged]
     actor: dict[str, Ragged]          # the sequences, and the rollout's routing to replay
-    fresh: np.ndarray                 # per token: sampled by the weights the trainer holds
+    versions: np.ndarray              # per token: the policy version that sampled it
     recompute: bool
     pending: list[Pending]
 
@@ -290,8 +290,7 @@ class Controller:
         sequences = {"prompt_ids": Ragged.from_arrays([g.prompt_ids for g in groups for _ in range(g.size)], np.int32),
                      "response_ids": Ragged.from_arrays([r for g in groups for r in g.response_ids], np.int32)}
         versions = np.concatenate([v for g in groups for v in g.token_versions])
-        fresh = versions == step - 1   # sampled by the weights the trainer holds
-        recompute = self._recomputes_old_logprobs(fresh)
+        recompute = self._recomputes_old_logprobs(versions == step - 1)
         self.train_busy.start()
         self.residency.enter("logprobs")
         # the actor replays the rollout's routing (router_replay)
@@ -301,7 +300,7 @@ class Controller:
             pending.append(self.groups["reference"].call("logprobs", Dispatch.DP_SPLIT, sequences))
         if "critic" in self.groups:
             pending.append(self.groups["critic"].call("values", Dispatch.DP_SPLIT, sequences))
-        return _Logprobs(step, groups, sequences, actor, fresh, recompute, pending)
+        return _Logprobs(step, groups, sequences, actor, versions, recompute, pending)
 
     def _recomputes_old_logprobs(self, fresh: np.ndarray) -> bool:
         """Whether the trainer recomputes a batch's old log-probs (rollout.recompute_logprobs). Where rollout
@@ -319,7 +318,8 @@ class Controller:
 
     # -- consumption --------------------------------------------------------------------------
     def _train(self, step: int) -> None:
-        """Logprobs and advantages for batch `step` (synchronous), then the train call (asynchronous)."""
+        """Logprobs (sent early while it was scored, or now) and advantages for batch `step`, then the
+        train call (asynchronous)."""
         algo = self.job.algorithm
         groups, stats = self.scheduler.take(step)
         started = time.perf_counter()
@@ -329,9 +329,9 @@ class Controller:
         elif sent.step != step or [g.group_id for g in sent.groups] != [g.group_id for g in groups]:
             raise RuntimeError(f"the log-probs sent early were for batch {sent.step}'s groups "
                                f"{[g.group_id for g in sent.groups]}, batch {step} has {[g.group_id for g in groups]}")
-        sequences, actor, fresh, recompute = sent.sequences, sent.actor, sent.fresh, sent.recompute
+        sequences, actor, versions, recompute = sent.sequences, sent.actor, sent.versions, sent.recompute
+        fresh = versions == step - 1   # sampled by the weights the trainer holds
         behaviour = Ragged.from_arrays([lp for g in groups for lp in g.behaviour_logprobs], np.float32)
-        versions = np.concatenate([v for g in groups for v in g.token_versions])
         rewards = np.concatenate([g.rewards for g in groups])
         group_index = np.repeat(np.arange(len(groups)), [g.size for g in groups])
         # an env's trajectories: observation tokens are context, not the policy's (no loss, no log-prob)
