@@ -300,7 +300,7 @@ class Decoding:
         rows, cached, kept = rows[order], cached[order], [kept[i] for i in order]
         source = np.argsort(order)[source[order]]   # each row's prefilled one, by its new index
         unique = int((source == np.arange(len(rows))).sum())
-        news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows[:unique], cached)], np.int32)
+        news = Ragged.from_arrays([self.prompts[row][n:] for row, n in zip(rows[:unique], cached[:unique])], np.int32)
         new_lengths = news.lengths.astype(np.int64)[source]
         # the columns its prompts' positions take, padding included (decoding steps grow them as needed)
         self.cache.reserve(first + len(rows), int(cached.max() + new_lengths.max()))
