@@ -225,7 +225,7 @@ class RolloutScheduler:
         if self.job.algorithm.dynamic_sampling and groups:
             self._filter(groups)
         for batch in {g.batch for g in groups}:
-            mine = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+            mine = self._batch_groups(batch)
             kept = [g for g in mine if g.state is SampleState.REWARDED]
             if len(kept) < self.groups_per_batch:
                 continue
@@ -254,6 +254,10 @@ class RolloutScheduler:
             return False
         return len(groups) == self.groups_per_batch or (self._exhausted(batch) and self._usable(batch) > 0)
 
+    def _batch_groups(self, batch: int) -> list[Group]:
+        """The live groups of batch `batch`, in group order (the order it is trained in)."""
+        return sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+
     def settled(self, batch: int) -> list[Group] | None:
         """The groups batch `batch` will train on, in `take`'s order, once that is decided before their
         scores: it is the next batch, every response of its groups has ended, and no dynamic sampling
@@ -261,7 +265,7 @@ class RolloutScheduler:
         the batch's log-probs on them while their scores are computed."""
         if self.job.algorithm.dynamic_sampling or batch != self.next_batch:
             return None
-        groups = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+        groups = self._batch_groups(batch)
         if len(groups) != self.groups_per_batch or not all(g.done for g in groups):
             return None
         return groups
@@ -271,7 +275,7 @@ class RolloutScheduler:
         if batch != self.next_batch or not self.ready(batch):
             raise RuntimeError(f"batch {batch} taken out of turn (next is {self.next_batch}) or before it is ready")
         self.next_batch += 1
-        groups = sorted((g for g in self.groups.values() if g.batch == batch), key=lambda g: g.group_id)
+        groups = self._batch_groups(batch)
         if len(groups) < self.groups_per_batch:   # short: what splits evenly over the trainer
             usable = self._usable(batch)
             for extra in groups[usable:]:
