@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcrl.data import load_tokenizer
     from hpcrl.runtime.groups import build_process_groups
-    from hpcrl.runtime.mpi_world import init_torch_distributed, require_threads, set_cpu_threads, wait_sends
+    from hpcrl.runtime.mpi_world import (init_torch_distributed, open_doorbells, require_threads, set_cpu_threads,
+                                         wait_sends)
 
     startup.mark("torch imported")
 
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     role = "controller" if rank == CONTROLLER else ",".join(layout.roles_on(rank))
     try:
         require_threads()
+        open_doorbells()
         watch = _watch(job, layout, Path(args.run_dir))
         set_cpu_threads()
         if profile.device == "cuda" and rank != CONTROLLER:
