@@ -3,6 +3,7 @@ format and instruction rules, user-defined rewards, and what a failing reward co
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import types
 
@@ -90,16 +91,19 @@ def test_a_user_reward_by_dotted_path_and_what_its_failures_cost(monkeypatch):
     module.broken = lambda response, reference: 1 / 0
     module.slow = lambda response, reference: __import__("time").sleep(5)
     module.nan = lambda response, reference: float("nan")
+    # one that takes SIGALRM for itself: the time limits after it still hold
+    module.rude = lambda response, reference: float(signal.signal(signal.SIGALRM, signal.SIG_IGN) is not None)
     monkeypatch.setitem(sys.modules, "my_rewards", module)
     tokenizer = CharTokenizer()
-    responses = Ragged.from_rows([tokenizer.encode("123", add_bos=False) + [tokenizer.eos_token_id]] * 4, np.int32)
+    responses = Ragged.from_rows([tokenizer.encode("123", add_bos=False) + [tokenizer.eos_token_id]] * 5, np.int32)
     specs = {"ok": RewardSpec(reward_function("my_rewards:length"), {"target": 3}),
              "broken": RewardSpec(reward_function("my_rewards:broken")),
+             "rude": RewardSpec(reward_function("my_rewards:rude")),
              "slow": RewardSpec(reward_function("my_rewards:slow"), timeout_s=0.2),
              "nan": RewardSpec(reward_function("my_rewards:nan"))}
-    rewards, codes = score_batch(tokenizer, responses, [""] * 4, list(specs), specs)
-    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert codes == ["ok", "reward_error", "reward_timeout", "reward_error"]
+    rewards, codes = score_batch(tokenizer, responses, [""] * 5, list(specs), specs)
+    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert codes == ["ok", "reward_error", "ok", "reward_timeout", "reward_error"]
     with pytest.raises(ValueError, match="unknown reward 'maths': use one of number, math, code"):
         reward_function("maths")
     with pytest.raises(ValueError, match="cannot import it"):
@@ -113,7 +117,6 @@ def test_a_judge_model_reads_the_response_and_scores_it():
     from conftest import REPO
 
     from hpcrl.data.tokenizer import HFTokenizer
-    from hpcrl.rewards.judge import judge_reward
 
     model = str(REPO / "data" / "rlvr" / "format-model")
     template = "<|system|>Answer with the number in \\boxed{{}}.\n<|user|>{response} = ?\n<|assistant|>"

@@ -10,6 +10,7 @@ references at once and returns a list.
 """
 from __future__ import annotations
 
+import _signal
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ class TimeLimits:
     def run(self, seconds: float, function: Callable, *args, **kwargs):
         """`function(*args, **kwargs)`, raising RewardTimeout after `seconds` (wall clock)."""
         self.seconds = seconds
-        if signal.getsignal(signal.SIGALRM) is not self.handler:   # a reward function replaced it
+        # the C module's getsignal: signal.getsignal maps the handler to an enum (an exception caught)
+        # once per sample (2.3 us a call against 0.04 with our handler installed)
+        if _signal.getsignal(signal.SIGALRM) is not self.handler:   # a reward function replaced it
             signal.signal(signal.SIGALRM, self.handler)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:

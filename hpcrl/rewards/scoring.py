@@ -84,8 +84,17 @@ def score_batch(tokenizer, responses: Ragged, references: Sequence[str], domains
                 specs: dict[str, RewardSpec], prompts: Ragged | None = None) -> tuple[np.ndarray, list[str]]:
     """(rewards float64, outcome codes) of decoded responses (stopped: the last token is <eos>);
     `prompts`: their prompts' ids, decoded for the rewards that read them (judges)."""
+    prompt_texts: dict[bytes, str] = {}   # a group's samples share their prompt: decoded once
+
+    def prompt_text(i: int) -> str:
+        ids = prompts[i]
+        key = ids.tobytes()
+        if key not in prompt_texts:
+            prompt_texts[key] = tokenizer.decode(ids.tolist())
+        return prompt_texts[key]
+
     decoded = [Response(tokenizer.decode(ids.tolist()), len(ids) > 0 and int(ids[-1]) == tokenizer.eos_token_id,
-                        tokenizer.decode(prompts[i].tolist()) if prompts is not None else "")
+                        prompt_text(i) if prompts is not None else "")
                for i, ids in enumerate(responses)]
     scored: list[Scored | None] = [None] * len(decoded)
     with TimeLimits() as limits:
