@@ -241,3 +241,23 @@ def test_the_learning_rate_follows_train_lr_schedule():
 def test_train_step_trains_at_the_rate_it_is_given():
     job, _, _ = tiny()
     assert [one_train_step(job, lr)[1] for lr in (0.0, 1e-3)] == [False, True]
+
+
+def test_log_probs_and_entropy_chunked_with_recompute_equal_one_chunk_and_their_gradients_too(monkeypatch):
+    """Large logits go a chunk of positions at a time, each recomputed in the backward; logits that fit
+    in one chunk are not checkpointed. Both give the same values and gradients."""
+    import hpcrl.engines.batch as batch_module
+
+    logits = torch.randn(3, 7, 11, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 11, (3, 7), generator=torch.Generator().manual_seed(1))
+    found = {}
+    for name, elements in (("one chunk", 1 << 24), ("chunks of 2 positions", 3 * 11 * 2)):
+        monkeypatch.setattr(batch_module, "LOGSOFTMAX_CHUNK_ELEMENTS", elements)
+        leaf = logits.clone().requires_grad_()
+        logp, entropy = batch_module.chunked_token_stats(leaf, tokens, 0.7, with_entropy=True)
+        (logp.sum() + 0.3 * entropy.sum()).backward()
+        found[name] = (logp.detach(), entropy.detach(), leaf.grad)
+    for one, chunked in zip(found["one chunk"], found["chunks of 2 positions"]):
+        torch.testing.assert_close(chunked, one)
+    expected = torch.log_softmax(logits / 0.7, dim=-1)
+    torch.testing.assert_close(found["one chunk"][0], expected.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
