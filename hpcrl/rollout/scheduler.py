@@ -297,10 +297,10 @@ class RolloutScheduler:
         metrics = {f"staleness_{lag}": float(n) for lag, n in sorted(staleness.items())}
         metrics["staleness_max"] = float(max(staleness))
         versions = [v for g in groups for v in g.token_versions]
-        tokens = sum(len(v) for v in versions)
+        every_token = np.concatenate(versions) if versions else np.zeros(0, np.int32)
         # partial rollout: responses whose tokens came from more than one policy version
         metrics["partial_samples"] = float(sum(1 for v in versions if len(v) and v[0] != v[-1]))
-        metrics["stale_token_frac"] = sum(int((v < trained_version).sum()) for v in versions) / max(tokens, 1)
+        metrics["stale_token_frac"] = int((every_token < trained_version).sum()) / max(len(every_token), 1)
         metrics["rollout_rounds"] = float(self.rounds[batch])   # more than one: refills, or cut rounds
         metrics["batch_groups"] = float(len(groups))             # below train.prompts_per_step: a short batch
         metrics["queue_depth"] = float(sum(g.size for g in self.groups.values() if g.state is SampleState.REWARDED))
