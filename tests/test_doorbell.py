@@ -55,3 +55,23 @@ def test_a_rank_on_another_host_is_not_rung():
     sender, receiver = Doorbells(world, 0, {0}, ANY_TAG), Doorbells(world, 1, {1}, ANY_TAG)
     woke = _waiter(receiver, 5)
     assert not _ring_until(woke, lambda: sender.ring(1, 5), 0.5)
+
+
+def test_a_bell_past_selects_descriptor_range_still_wakes_its_rank():
+    """A bell made late in a process with many files open (NCCL, vLLM) waits with poll()."""
+    import resource
+    import socket
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("fewer than 1200 open files allowed")
+    world = uuid.uuid4().hex
+    filler = socket.socket()
+    held = [filler.dup() for _ in range(1100)]   # the next descriptors are past 1024
+    try:
+        sender, receiver = Doorbells(world, 0, {0, 1}, ANY_TAG), Doorbells(world, 1, {0, 1}, ANY_TAG)
+        woke = _waiter(receiver, 5)
+        assert _ring_until(woke, lambda: sender.ring(1, 5), 30)
+    finally:
+        for sock in held:
+            sock.close()
+        filler.close()

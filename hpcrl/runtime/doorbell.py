@@ -19,6 +19,9 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
+
+_FD_SETSIZE = 1024   # glibc's: select() refuses a descriptor at or past it
 
 
 class Doorbells:
@@ -29,7 +32,7 @@ class Doorbells:
         self.world, self.rank, self.local_ranks, self.any_tag = world, rank, local_ranks, any_tag
         self._ringer = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._ringer.setblocking(False)
-        self._bells: dict[int, socket.socket] = {}
+        self._bells: dict[int, Callable[[float], None]] = {}   # tag -> its wait
         self._lock = threading.Lock()
 
     def _address(self, rank: int, tag: int) -> str:
@@ -47,23 +50,44 @@ class Doorbells:
 
     def wait(self, tag: int, seconds: float) -> None:
         """Sleep up to `seconds`, less if a message on `tag` is rung in meanwhile."""
-        bell = self._bells.get(tag)
-        if bell is None:
+        wait = self._bells.get(tag)
+        if wait is None:
             with self._lock:
-                bell = self._bells.get(tag) or self._bind(tag)
-        if select.select([bell], [], [], seconds)[0]:
-            try:
-                while bell.recv(64):   # every ring so far: one wake-up answers them all
-                    pass
-            except BlockingIOError:
-                pass
+                wait = self._bells.get(tag) or self._bind(tag)
+        wait(seconds)
 
-    def _bind(self, tag: int) -> socket.socket:
+    def _bind(self, tag: int) -> Callable[[float], None]:
+        """The wait on `tag`'s bell, bound now (a plain sleep where this host refuses the socket).
+        select() sleeps to the microsecond but takes no descriptor past FD_SETSIZE, which a bell made
+        late in a process with many files open (NCCL, vLLM) may have; poll() then, to the millisecond."""
         bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        bell.bind(self._address(self.rank, tag))
+        try:
+            bell.bind(self._address(self.rank, tag))
+        except OSError:
+            bell.close()
+            self._bells[tag] = time.sleep
+            return time.sleep
         bell.setblocking(False)
-        self._bells[tag] = bell
-        return bell
+        if bell.fileno() < _FD_SETSIZE:
+            def rung(seconds: float) -> bool:
+                return bool(select.select([bell], [], [], seconds)[0])
+        else:
+            poller = select.poll()
+            poller.register(bell, select.POLLIN)
+
+            def rung(seconds: float) -> bool:
+                return bool(poller.poll(seconds * 1000))
+
+        def wait(seconds: float) -> None:
+            if rung(seconds):
+                try:
+                    while bell.recv(64):   # every ring so far: one wake-up answers them all
+                        pass
+                except BlockingIOError:
+                    pass
+
+        self._bells[tag] = wait
+        return wait
 
 
 _doorbells: Doorbells | None = None
