@@ -1,6 +1,7 @@
 """The MPI world and the torch.distributed world over it, and how a failure takes both down."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -200,10 +201,13 @@ def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
                             world_size=COMM.Get_size(), timeout=timedelta(seconds=timeout_s))
 
 
-def _hosts() -> list[str]:
+@functools.cache
+def _hosts() -> tuple[str, ...]:
     """Every rank's host name, in rank order (by name: MPI's shared-memory split is not reliable
-    under every launcher; with srun's PMI2 and the pip MPICH it put each rank on its own)."""
-    return COMM.allgather(socket.gethostname())
+    under every launcher; with srun's PMI2 and the pip MPICH it put each rank on its own). Gathered
+    once: the first call is collective, and every rank makes it at the same point of its start
+    (the doorbells, the threads per rank and the rendezvous address all ask)."""
+    return tuple(COMM.allgather(socket.gethostname()))
 
 
 def _same_host_everywhere() -> bool:
