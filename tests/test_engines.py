@@ -261,3 +261,49 @@ def test_log_probs_and_entropy_chunked_with_recompute_equal_one_chunk_and_their_
         torch.testing.assert_close(chunked, one)
     expected = torch.log_softmax(logits / 0.7, dim=-1)
     torch.testing.assert_close(found["one chunk"][0], expected.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3_moe"])
+def test_the_prepared_attention_mask_is_the_one_transformers_builds_and_gives_its_logits(arch):
+    """Left-padded prompts, right-padded responses: the 4-D mask built for sdpa is transformers' own,
+    and the model's logits with it are bit for bit those it computes from the 2-D mask."""
+    from transformers.masking_utils import create_causal_mask
+
+    from hpcrl.engines.batch import attention_masks
+
+    moe = ["model.num_experts=4", "model.experts_per_token=2", "model.moe_intermediate_size=32"]
+    job = load_job(REPO / "jobs" / "tiny_grpo.yaml", [f"model.arch={arch}", *(moe if "moe" in arch else [])])
+    tokenizer = CharTokenizer()
+    model = random_model(job.model, tokenizer, job.seed).eval()
+    batch = pack(rows([tokenizer.encode(t) for t in ("3+4=", "12+345=", "7=")]), rows([[5, 6], [7], [8, 9, 10]]),
+                 tokenizer.pad_token_id)
+    mask = attention_masks(model, batch["attention_mask"])
+    with torch.no_grad():
+        theirs = create_causal_mask(config=model.config, inputs_embeds=model.model.embed_tokens(batch["input_ids"]),
+                                    attention_mask=batch["attention_mask"], cache=None,
+                                    position_ids=batch["position_ids"])
+        width = batch["input_ids"].shape[1]
+        assert mask.shape == (3, 1, width, width) and torch.equal(mask, theirs)
+        logits = [model(input_ids=batch["input_ids"], attention_mask=m, position_ids=batch["position_ids"]).logits
+                  for m in (batch["attention_mask"], mask)]
+    real = batch["attention_mask"].bool()
+    assert torch.equal(logits[0][real], logits[1][real])
+
+
+def test_the_attention_mask_is_left_to_transformers_where_its_own_would_differ():
+    """No padding (sdpa's is_causal then), eager attention, sliding-window layers: the 2-D mask as given."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hpcrl.engines.batch import attention_masks
+
+    _, tokenizer, model = tiny()
+    unpadded = torch.ones(2, 5, dtype=torch.long)
+    padded = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    assert attention_masks(model, unpadded) is unpadded
+    assert attention_masks(model, padded).shape == (2, 1, 5, 5)
+    model.set_attn_implementation("eager")
+    assert attention_masks(model, padded) is padded
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           use_sliding_window=True, sliding_window=3, max_window_layers=1))
+    assert sliding.config._attn_implementation == "sdpa" and attention_masks(sliding, padded) is padded

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hpcrl.engines.batch import sliding_layers
 from hpcrl.engines.hf_model import ARCHS
 
 
@@ -61,11 +62,8 @@ class SlotCache:
         self.model = model
         layers = model.model.layers
         self.kv_heads, self.head_dim = model.config.num_key_value_heads, layers[0].self_attn.head_dim
-        # which layers see only the last `window` positions, as the HF model chooses its masks: by
-        # layer type where the config lists them, else every layer when it has a window
         self.window = getattr(model.config, "sliding_window", None) or 0
-        types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * len(layers)
-        self.sliding = [bool(self.window) and kind == "sliding_attention" for kind in types]
+        self.sliding = sliding_layers(model.config)
         param = next(model.parameters())
         empty = torch.zeros((0, self.kv_heads, 0, self.head_dim), dtype=param.dtype, device=param.device)
         self.keys = [empty for _ in layers]
