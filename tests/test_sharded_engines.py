@@ -99,11 +99,12 @@ def test_hf_logits_are_exact_on_a_rank_that_also_hosts_megatron(findings):
 
 
 def test_a_cpu_dp_group_reduces_through_mpi_and_ddp_averages_gradients_as_gloo_does(findings):
-    """hpcrl.engines.dp_reduce: on the MPI world's ranks a CPU group's sums and maxima and DDP's
-    gradient buckets go through MPI (gloo's TCP is 70x slower per count); the same numbers."""
+    """hpcrl.engines.dp_reduce: on the MPI world's ranks a CPU group's sums and maxima (apart, or
+    in one all-gather, through MPI and through gloo) and DDP's gradient buckets go through MPI (gloo's TCP is 70x slower per count); the same numbers."""
     found = findings["dp_reduce"]
     assert found["through_mpi"] and found["hooked"], found
     assert found["sums"] == [3.0, 10.0] and found["max"] == 3, found
+    assert found["sums_and_max"] == found["sums_and_max_gloo"] == [[3.0, 10.0], 3], found
     assert found["grad_max_diff"] < 1e-7 and found["grad_scale"] > 0.1, found
 
 
@@ -359,7 +360,10 @@ def _dp_reduce_check(rank: int, group) -> dict:
 
     reducer = DataParallelReducer(group, torch.device("cpu"))
     found = {"through_mpi": reducer.comm is not None, "sums": reducer.sums([rank + 1.0, 10.0 * rank]),
-             "max": reducer.max(3 * rank)}
+             "max": reducer.max(3 * rank), "sums_and_max": reducer.sums_and_max([rank + 1.0, 10.0 * rank], 3 - rank)}
+    through_gloo = DataParallelReducer(group, torch.device("cpu"))
+    through_gloo.comm = None
+    found["sums_and_max_gloo"] = through_gloo.sums_and_max([rank + 1.0, 10.0 * rank], 3 - rank)
     grads = {}
     for via in ("mpi", "gloo"):
         torch.manual_seed(0)

@@ -69,6 +69,22 @@ class DataParallelReducer:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return int(most.item())
 
+    def sums_and_max(self, values: list[float], count: int) -> tuple[list[float], int]:
+        """`sums(values)` and `max(count)` in one collective (an all-gather of each rank's numbers):
+        a minibatch's global token counts and micro-batch count, in one wait for the slowest peer."""
+        if self.group is None:
+            return list(values), count
+        mine = np.array([*values, count], np.float64)
+        if self.comm is not None:
+            table = np.empty((self.comm.Get_size(), len(mine)), np.float64)
+            self.comm.Allgather(mine, table)
+        else:
+            gathered = torch.empty(dist.get_world_size(self.group) * len(mine), dtype=torch.float64,
+                                   device=self.device)
+            dist.all_gather_into_tensor(gathered, torch.from_numpy(mine).to(self.device), group=self.group)
+            table = gathered.view(-1, len(mine)).cpu().numpy()
+        return table[:, :-1].sum(axis=0).tolist(), int(table[:, -1].max())
+
     def hook(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Let `model` (DDP over this group) average its gradient buckets through MPI, when on CPU
         (gradients in a dtype MPI has: the trainers' fp32 masters); whether it does."""

@@ -63,13 +63,14 @@ def adamw(model: torch.nn.Module, job: JobConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, fused=True)
 
 
-def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, peers: DataParallelReducer
+def split_for_all(cut: MicroBatching, prompts: Ragged, responses: Ragged, peers: DataParallelReducer | None
                   ) -> list[np.ndarray]:
-    """This rank's micro-batches, as many as the peer that needs most: sharded engines (FSDP2,
-    ZeRO-3) gather parameters in every forward, DDP reduces gradients with the last, Megatron's
-    MoE layers exchange tokens with their EP ranks, so all DP ranks run the same number."""
+    """This rank's micro-batches, as many as the peer of `peers` that needs most (None: no peer
+    waits on this rank's count): sharded engines (FSDP2, ZeRO-3) gather parameters in every forward,
+    DDP reduces gradients with the last, Megatron's MoE layers exchange tokens with their EP ranks,
+    so all DP ranks run the same number."""
     groups = cut.split(prompts.lengths, responses.lengths)
-    if peers.group is not None:
+    if peers is not None and peers.group is not None:
         groups = _split_further(cut, prompts.lengths, responses.lengths, groups, peers.max(len(groups)))
     return groups
 
@@ -266,7 +267,11 @@ class TorchTrainer:
                    routed_experts: Ragged | None = None) -> Ragged:
         """`compute(batch)` -> [n, R] of every response token, micro-batch by micro-batch, in row order."""
         samples = Samples(prompt_ids, response_ids, {}, routed_experts)
-        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, self.dp_reducer)
+        # without gradients only a sharded model's forward is collective (FSDP2 and ZeRO-3 gather
+        # the parameters): replicas go at their own pace, and do not spin in an agreement on the
+        # count while a peer waits for a core (the tiny job: 11% of its reference forward's time)
+        peers = self.dp_reducer if self.gather_replicas > 1 else None
+        groups = split_for_all(micro_batching(self.job.train), prompt_ids, response_ids, peers)
         parts = []
         try:
             for rows in groups:
@@ -319,11 +324,13 @@ class TorchTrainer:
         """One optimizer step on the rows `index` of the shard, micro-batch by micro-batch; its metrics."""
         minibatch = samples.take(index)
         prompts, responses = minibatch.prompt_ids, minibatch.response_ids
-        groups = split_for_all(cut, prompts, responses, self.dp_reducer)
-        # the global counts the shares are normalised by (and a MoE model's load-balancing weights)
-        tokens, sequences, self._real_tokens = self.dp_reducer.sums(
+        # the global counts the shares are normalised by (and a MoE model's load-balancing weights),
+        # and as many micro-batches as the peer that needs most (split_for_all), agreed at once
+        groups = cut.split(prompts.lengths, responses.lengths)
+        (tokens, sequences, self._real_tokens), count = self.dp_reducer.sums_and_max(
             [trained_tokens(responses, minibatch.columns), float(len(index)),
-             float(prompts.lengths.sum() + responses.lengths.sum())])
+             float(prompts.lengths.sum() + responses.lengths.sum())], len(groups))
+        groups = _split_further(cut, prompts.lengths, responses.lengths, groups, count)
         sequences = int(sequences)
         outputs = []
         self._zero_grad()
