@@ -84,23 +84,23 @@ class Group:
         self.finished = np.zeros(self.size, dtype=bool)
         self.routed_experts = None
 
-    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, version: int,
+    def extend(self, sample: int, ids: np.ndarray, logprobs: np.ndarray, finished: bool, versions: np.ndarray,
                loss_mask: np.ndarray | None = None, token_rewards: np.ndarray | None = None,
                routed_experts: np.ndarray | None = None) -> None:
-        """Append one round's tokens, sampled by weights of `version`, to a response. A trajectory's
-        `loss_mask` is 0 on the env's observation tokens (they are context, not the policy's), and its
-        `token_rewards` hold each turn's reward on the last token of its action. `routed_experts`, the
-        round's routing of the whole sequence (a continuation prefills its prefix again), replaces the
-        response's."""
+        """Append one round's tokens, sampled by weights of `versions` (one per token), to a response.
+        A trajectory's `loss_mask` is 0 on the env's observation tokens (they are context, not the
+        policy's), and its `token_rewards` hold each turn's reward on the last token of its action.
+        `routed_experts`, the round's routing of the whole sequence (a continuation prefills its
+        prefix again), replaces the response's. A response's first tokens are kept as given (views of
+        the round's reply, which nothing writes to), later ones appended to a copy."""
         for name, values, dtype in (("loss_masks", loss_mask, bool), ("token_rewards", token_rewards, np.float32)):
             if values is not None:
                 if getattr(self, name) is None:
                     setattr(self, name, [np.zeros(len(r), dtype) for r in self.response_ids])
                 getattr(self, name)[sample] = np.concatenate([getattr(self, name)[sample], np.asarray(values, dtype)])
-        self.response_ids[sample] = np.concatenate([self.response_ids[sample], ids])
-        self.behaviour_logprobs[sample] = np.concatenate([self.behaviour_logprobs[sample], logprobs])
-        self.token_versions[sample] = np.concatenate([self.token_versions[sample],
-                                                      np.full(len(ids), version, np.int32)])
+        self.response_ids[sample] = _appended(self.response_ids[sample], ids)
+        self.behaviour_logprobs[sample] = _appended(self.behaviour_logprobs[sample], logprobs)
+        self.token_versions[sample] = _appended(self.token_versions[sample], versions)
         self.finished[sample] = finished
         if routed_experts is not None:
             if self.routed_experts is None:
@@ -120,6 +120,10 @@ class Group:
 
     def logprobs(self) -> Ragged:
         return Ragged.from_arrays(self.behaviour_logprobs, np.float32)
+
+
+def _appended(start: np.ndarray, more: np.ndarray) -> np.ndarray:
+    return np.concatenate([start, more]) if len(start) else more
 
 
 def routing_column(samples: list[tuple[Group, int]]) -> dict[str, Ragged]:

@@ -199,10 +199,18 @@ class RolloutScheduler:
             raise RuntimeError(f"round {round_.index} of batch {round_.batch} is not the round in flight")
         self.in_flight = None
         touched: dict[int, Group] = {}
+        # each row's slices of the round's columns, cut in one pass (a Ragged row costs an index lookup)
+        if not np.array_equal(logprobs.offsets, response_ids.offsets):
+            raise ValueError("a round's log-probs are not one per response token")
+        bounds = response_ids.offsets.tolist()
+        ids, logps = response_ids.values, logprobs.values
+        versions = np.full(len(ids), round_.version, np.int32)
+        ended = finished.tolist()
         for row, (group, sample) in enumerate(round_.samples):
             if prompt_ids is not None:
                 group.prompt_ids = np.asarray(prompt_ids[row], np.int32)
-            group.extend(sample, response_ids[row], logprobs[row], bool(finished[row]), round_.version,
+            start, stop = bounds[row], bounds[row + 1]
+            group.extend(sample, ids[start:stop], logps[start:stop], bool(ended[row]), versions[start:stop],
                          None if loss_mask is None else loss_mask[row],
                          None if token_rewards is None else token_rewards[row],
                          None if routed_experts is None else routed_experts[row])
