@@ -95,6 +95,36 @@ def _batch(seed: int = 0):
     return old, ref, rewards, np.repeat(np.arange(2), 4)
 
 
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
+def test_the_kl_in_the_reward_takes_each_responses_summed_kl_from_its_reward(advantage):
+    """Sequence-level estimators see a response's reward less its summed KL (k1 here: old - ref),
+    as verl's token-level reward summed; the token-level one's first token carries every later
+    token's penalty (gamma 1) and the reward. Both from formulas written out here."""
+    from hpcrl.runtime.advantages import token_advantages
+
+    algo = load_job(TINY, [f"algorithm.advantage={advantage}", "algorithm.kl_in_reward.estimator=k1"]).algorithm
+    old, ref, rewards, groups = _batch(3)
+    found = token_advantages(algo, rewards, groups, old, ref, None, 0.1)
+    kl = [o.astype(np.float64) - r for o, r in zip(old, ref)]
+    reward = rewards - 0.1 * np.array([k.sum() for k in kl])
+    assert found.sequence_kl == pytest.approx(np.mean([k.sum() for k in kl]), rel=1e-5)
+    advantages = found.columns["advantages"]
+    for group in (0, 1):
+        rows = np.flatnonzero(groups == group)
+        mine = reward[rows]
+        if advantage == "grpo":
+            expected = (mine - mine.mean()) / (mine.std(ddof=1) + 1e-6)
+        elif advantage == "rloo":
+            expected = mine - (mine.sum() - mine) / (len(mine) - 1)
+        else:
+            continue
+        for row, value in zip(rows, expected):
+            np.testing.assert_allclose(advantages[row], value, rtol=1e-5, atol=1e-6)
+    if advantage == "reinforce_pp":   # returns, before its batch whitening: their order is the reward's
+        firsts = np.array([a[0] for a in advantages])
+        assert np.array_equal(np.argsort(firsts, kind="stable"), np.argsort(reward, kind="stable"))
+
+
 @pytest.mark.parametrize("name", PROMPT_PRESETS)
 def test_the_reward_carries_the_kl_only_for_presets_that_put_it_there(name):
     from hpcrl.runtime.advantages import token_advantages

@@ -43,6 +43,26 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
     term, on the last generated token). gigpo also needs the tokens, to find the states acted from
     (with `history_states`, a turn's whole history: an env whose observation is not its state)."""
     lengths = old_logprobs.lengths
+    count = len(rewards)
+    kl, kl_rows, sequence_kl = None, None, 0.0   # per trained token (flat), per response, their mean
+    if ref_logprobs is not None:
+        kl = kl_penalty(torch.from_numpy(old_logprobs.values), torch.from_numpy(ref_logprobs.values),
+                        algo.kl_in_reward.estimator)
+        if loss_mask is not None:
+            kl = kl * torch.from_numpy(loss_mask.values)
+        kl_rows = torch.zeros(count).index_add_(0, torch.from_numpy(np.repeat(np.arange(count), lengths)), kl)
+        sequence_kl = float(kl_rows.mean()) if count else 0.0
+    if algo.advantage in ("grpo", "rloo"):
+        # a response's reward is the sum of its token rewards: no padded tensors (the critical path
+        # between the reference's log-probs and the train call: 0.41 -> 0.26 ms for the tiny job)
+        reward_t = torch.as_tensor(rewards, dtype=torch.float32)
+        if kl_rows is not None and kl_in_reward_coef > 0:
+            reward_t = reward_t - kl_in_reward_coef * kl_rows
+        groups_t = torch.as_tensor(group_index, dtype=torch.long)
+        per_sequence = (grpo_advantages(reward_t, groups_t, normalize_std=algo.normalize_std)
+                        if algo.advantage == "grpo" else rloo_advantages(reward_t, groups_t))
+        return Advantages({"advantages": old_logprobs.with_values(np.repeat(per_sequence.numpy(), lengths))},
+                          sequence_kl)
     mask = length_mask(lengths)
     if loss_mask is not None:
         mask = mask * right_pad(loss_mask, 0.0, torch.float32, mask.shape[1])
@@ -51,22 +71,10 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = torch.where(mask > 0, positions, -1).max(-1).values   # a row without a trained token: its end
     last = torch.where(last >= 0, last, torch.as_tensor(lengths - 1).clamp(min=0))
-    rows = torch.arange(len(rewards))
-    token_rewards[rows, last] += torch.as_tensor(rewards, dtype=torch.float32) - token_rewards.sum(-1)
-    sequence_kl = 0.0
-    if ref_logprobs is not None:
-        old, ref = right_pad(old_logprobs, 0.0, torch.float32), right_pad(ref_logprobs, 0.0, torch.float32)
-        kl = kl_penalty(old, ref, algo.kl_in_reward.estimator) * mask
-        sequence_kl = float(kl.sum(-1).mean()) if len(rewards) else 0.0
-        if kl_in_reward_coef > 0:
-            token_rewards -= kl_in_reward_coef * kl
-    if algo.advantage in ("grpo", "rloo"):
-        reward_t = token_rewards.sum(-1)
-        groups_t = torch.as_tensor(group_index, dtype=torch.long)
-        per_sequence = (grpo_advantages(reward_t, groups_t, normalize_std=algo.normalize_std)
-                        if algo.advantage == "grpo" else rloo_advantages(reward_t, groups_t))
-        return Advantages({"advantages": old_logprobs.with_values(np.repeat(per_sequence.numpy(), lengths))},
-                          sequence_kl)
+    token_rewards[torch.arange(count), last] += torch.as_tensor(rewards, dtype=torch.float32) - token_rewards.sum(-1)
+    if kl is not None and kl_in_reward_coef > 0:
+        token_rewards -= kl_in_reward_coef * right_pad(old_logprobs.with_values(kl.numpy()), 0.0, torch.float32,
+                                                       mask.shape[1])
     if algo.advantage == "gigpo":
         if loss_mask is None or prompt_ids is None or response_ids is None:
             raise ValueError("advantage gigpo needs an env's trajectories (their turns and states)")
