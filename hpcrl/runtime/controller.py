@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import fmean, pstdev
+from statistics import fmean
 from typing import Any
 
 import numpy as np
@@ -371,7 +371,7 @@ class Controller:
         lengths = old.lengths
         metrics.update({
             "reward_mean": fmean(rewards),
-            "reward_std": pstdev(rewards),
+            "reward_std": float(rewards.std()),   # statistics.pstdev sums exact fractions: 10x slower
             "accuracy": float(np.mean(rewards == 1.0)),
             "kl": mean_kl(old, ref, algo.kl_loss.estimator, loss_mask) if ref is not None else 0.0,
             "kl_in_reward_coef": self.kl_in_reward_coef,
