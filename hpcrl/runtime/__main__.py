@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcrl.data import load_tokenizer
     from hpcrl.runtime.groups import build_process_groups
-    from hpcrl.runtime.mpi_world import (init_torch_distributed, open_doorbells, require_threads, set_cpu_threads,
-                                         wait_sends)
+    from hpcrl.runtime.mpi_world import (bind_workers_to_cores, init_torch_distributed, open_doorbells,
+                                         require_threads, set_cpu_threads, wait_sends)
 
     startup.mark("torch imported")
 
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         open_doorbells()
         watch = _watch(job, layout, Path(args.run_dir))
         set_cpu_threads()
+        if profile.device == "cpu":   # env pools and reward sandboxes are processes of their ranks
+            bind_workers_to_cores(job.env is None and "reward" not in layout.roles_on(rank))
         if profile.device == "cuda" and rank != CONTROLLER:
             import torch
 

@@ -202,12 +202,18 @@ def init_torch_distributed(backend: str, timeout_s: float = 300.0) -> None:
 
 
 @functools.cache
+def _placement() -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every rank's host name (by name: MPI's shared-memory split is not reliable under every
+    launcher; with srun's PMI2 and the pip MPICH it put each rank on its own) and the cores it may
+    run on, in rank order. Gathered once: the first call is collective, and every rank makes it at
+    the same point of its start (the doorbells, the threads per rank and the rendezvous address all
+    ask)."""
+    cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    return tuple(COMM.allgather((socket.gethostname(), cores)))
+
+
 def _hosts() -> tuple[str, ...]:
-    """Every rank's host name, in rank order (by name: MPI's shared-memory split is not reliable
-    under every launcher; with srun's PMI2 and the pip MPICH it put each rank on its own). Gathered
-    once: the first call is collective, and every rank makes it at the same point of its start
-    (the doorbells, the threads per rank and the rendezvous address all ask)."""
-    return tuple(COMM.allgather(socket.gethostname()))
+    return tuple(host for host, _ in _placement())
 
 
 def _same_host_everywhere() -> bool:
@@ -226,6 +232,34 @@ def open_doorbells() -> None:
                                                 MPI.ANY_TAG))
         except OSError:   # no Unix sockets here (a sandbox): probe and sleep
             pass
+
+
+def worker_cores(index: int, workers: int, cores: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The cores of the `index`-th of `workers` worker ranks that share `cores`: an equal contiguous
+    share each, or None (left to the OS) where the workers outnumber the cores."""
+    share = len(cores) // workers
+    return cores[index * share:(index + 1) * share] if share else None
+
+
+def bind_workers_to_cores(bind: bool) -> None:
+    """A CPU run's worker ranks each on cores of their own, where the host has a core per worker
+    and the launcher bound none (mpiexec here; srun --cpu-bind binds itself). The tiny colocated
+    job's step: 52.4 against 55.1 ms unbound (seven alternated pairs, 5 of them faster). The
+    controller (rank 0, which takes no slot) runs wherever a core is free, and so does a worker
+    whose child processes need the other cores (`bind` false: env pools, reward sandboxes). Where
+    the workers outnumber the cores the OS balances them better: the long-tail job at
+    max_staleness 1, its rollout rank sharing a core with a trainer, made 7% fewer samples/s bound.
+    Collective (where it makes the first gather of the ranks' placement)."""
+    rank, placement = COMM.Get_rank(), _placement()
+    if rank == CONTROLLER or not bind or not hasattr(os, "sched_setaffinity"):
+        return
+    here, mine = placement[rank]
+    workers = [r for r, (host, _) in enumerate(placement) if host == here and r != CONTROLLER]
+    if any(placement[r][1] != mine for r in workers):   # bound already
+        return
+    cores = worker_cores(workers.index(rank), len(workers), mine)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
 
 
 def set_cpu_threads() -> None:
