@@ -291,7 +291,8 @@ def test_the_prepared_attention_mask_is_the_one_transformers_builds_and_gives_it
 
 
 def test_the_attention_mask_is_left_to_transformers_where_its_own_would_differ():
-    """No padding (sdpa's is_causal then), eager attention, sliding-window layers: the 2-D mask as given."""
+    """No padding (sdpa's is_causal then), eager attention, sliding-window or other layer types, a
+    config asking for the router logits (HF's MoE loss reads the mask as 2-D): the 2-D mask as given."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hpcrl.engines.batch import attention_masks
@@ -300,6 +301,13 @@ def test_the_attention_mask_is_left_to_transformers_where_its_own_would_differ()
     unpadded = torch.ones(2, 5, dtype=torch.long)
     padded = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     assert attention_masks(model, unpadded) is unpadded
+    assert attention_masks(model, padded).shape == (2, 1, 5, 5)
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    assert attention_masks(model, padded) is padded
+    model.config.layer_types = ["full_attention", "full_attention"]
+    model.config.output_router_logits = True
+    assert attention_masks(model, padded) is padded
+    model.config.output_router_logits = False
     assert attention_masks(model, padded).shape == (2, 1, 5, 5)
     model.set_attn_implementation("eager")
     assert attention_masks(model, padded) is padded

@@ -108,14 +108,19 @@ def sliding_layers(config) -> list[bool]:
 
 def attention_masks(model: torch.nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
     """What the HF `model` (or a DDP, FSDP2 or DeepSpeed wrapper of it) takes as the attention mask
-    of left-padded prompts and right-padded responses: with sdpa attention and no sliding-window
-    layer, the [N, 1, L, L] boolean mask that its `create_causal_mask` would build (True: attend;
-    causal, and no padding key), built here in three tensor operations; otherwise, or with no
-    padding at all (HF then skips the mask for sdpa's `is_causal`), the [N, L] mask for HF to build.
-    HF's mask building is a sixth of a small model's forward on CPU (the tiny job's 64 rows: 0.6
-    of 3.9 ms), the same mask every forward; the model takes a 4-D mask as prepared."""
+    of left-padded prompts and right-padded responses: with sdpa attention and every layer a full
+    (causal) attention one, the [N, 1, L, L] boolean mask that its `create_causal_mask` would build
+    (True: attend; causal, and no padding key), built here in three tensor operations. Otherwise the
+    [N, L] mask, for HF to build what it needs: with no padding at all (sdpa's `is_causal` then),
+    eager attention, sliding-window, chunked or linear layers, or a config that asks for the router
+    logits (HF's MoE load-balancing loss reads the mask as 2-D; hpcrl counts routing with its own
+    hooks). HF's mask building is a sixth of a small model's forward on CPU (the tiny job's 64 rows:
+    0.6 of 3.9 ms), the same mask every forward; the model takes a 4-D mask as prepared."""
     config = getattr(model, "module", model).config
-    if config._attn_implementation != "sdpa" or any(sliding_layers(config)) or bool(attention_mask.all()):
+    kinds = getattr(config, "layer_types", None)
+    full_attention = all(kind == "full_attention" for kind in kinds) if kinds else not any(sliding_layers(config))
+    if (config._attn_implementation != "sdpa" or not full_attention or getattr(config, "output_router_logits", False)
+            or bool(attention_mask.all())):
         return attention_mask
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     causal = columns[:, None] >= columns[None, :]

@@ -76,7 +76,7 @@ class Group:
         """Queued -> generating with weights of `version`: every response starts empty."""
         self.move(SampleState.GENERATING)
         self.version = version
-        # empty arrays shared by every response (read-only: extend concatenates), not 3 new ones a
+        # empty arrays shared by every response (read-only: extend replaces them), not 3 new ones a
         # sample (768 a step for the tiny job, 40% of the time it took to start a round's groups)
         self.response_ids = [_EMPTY_IDS] * self.size
         self.behaviour_logprobs = [_EMPTY_LOGPROBS] * self.size
@@ -91,8 +91,9 @@ class Group:
         A trajectory's `loss_mask` is 0 on the env's observation tokens (they are context, not the
         policy's), and its `token_rewards` hold each turn's reward on the last token of its action.
         `routed_experts`, the round's routing of the whole sequence (a continuation prefills its
-        prefix again), replaces the response's. A response's first tokens are kept as given (views of
-        the round's reply, which nothing writes to), later ones appended to a copy."""
+        prefix again), replaces the response's. A response's first tokens are kept as given: views of
+        the round's reply, which nothing writes to and which they keep alive (a few bytes a token,
+        until the group is trained); later ones are appended to a copy."""
         for name, values, dtype in (("loss_masks", loss_mask, bool), ("token_rewards", token_rewards, np.float32)):
             if values is not None:
                 if getattr(self, name) is None:

@@ -50,7 +50,8 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
                         algo.kl_in_reward.estimator)
         if loss_mask is not None:
             kl = kl * torch.from_numpy(loss_mask.values)
-        kl_rows = torch.zeros(count).index_add_(0, torch.from_numpy(np.repeat(np.arange(count), lengths)), kl)
+        rows = torch.from_numpy(np.repeat(np.arange(count), lengths))
+        kl_rows = torch.zeros(count, dtype=kl.dtype).index_add_(0, rows, kl)
         sequence_kl = float(kl_rows.mean()) if count else 0.0
     if algo.advantage in ("grpo", "rloo"):
         # a response's reward is the sum of its token rewards: no padded tensors (the critical path

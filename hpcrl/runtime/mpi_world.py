@@ -249,7 +249,9 @@ def bind_workers_to_cores(bind: bool) -> None:
     whose child processes need the other cores (`bind` false: env pools, reward sandboxes). Where
     the workers outnumber the cores the OS balances them better: the long-tail job at
     max_staleness 1, its rollout rank sharing a core with a trainer, made 7% fewer samples/s bound.
-    Collective (where it makes the first gather of the ranks' placement)."""
+    Binds the calling thread and the threads it starts later (torch's intra-op pool among them); the
+    heartbeat thread started before keeps every core. Collective (where it makes the first gather of
+    the ranks' placement)."""
     rank, placement = COMM.Get_rank(), _placement()
     if rank == CONTROLLER or not bind or not hasattr(os, "sched_setaffinity"):
         return
