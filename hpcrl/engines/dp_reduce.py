@@ -44,46 +44,32 @@ class DataParallelReducer:
         self.comm = _mpi_comm(self.group) if self.group is not None and device.type == "cpu" else None
 
     def sums(self, values: list[float]) -> list[float]:
-        """Each value summed over the group, in one reduction."""
-        if self.group is None:
-            return list(values)
-        if self.comm is not None:
-            from mpi4py import MPI
-
-            total = np.array(values, np.float64)
-            self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-            return total.tolist()
-        total = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=self.group)
-        return total.tolist()
+        """Each value summed over the group."""
+        return list(values) if self.group is None else self._gathered(values).sum(axis=0).tolist()
 
     def max(self, value: int) -> int:
         """The largest of the ranks' values."""
-        if self.group is None:
-            return value
-        if self.comm is not None:
-            from mpi4py import MPI
-
-            return int(self.comm.allreduce(value, op=MPI.MAX))
-        most = torch.tensor([value], device=self.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-        return int(most.item())
+        return value if self.group is None else int(self._gathered([value]).max())
 
     def sums_and_max(self, values: list[float], count: int) -> tuple[list[float], int]:
-        """`sums(values)` and `max(count)` in one collective (an all-gather of each rank's numbers):
-        a minibatch's global token counts and micro-batch count, in one wait for the slowest peer."""
+        """`sums(values)` and `max(count)` in one collective: a minibatch's global token counts and
+        micro-batch count, in one wait for the slowest peer."""
         if self.group is None:
             return list(values), count
-        mine = np.array([*values, count], np.float64)
+        table = self._gathered([*values, count])
+        return table[:, :-1].sum(axis=0).tolist(), int(table[:, -1].max())
+
+    def _gathered(self, values: list[float]) -> np.ndarray:
+        """Every rank's `values` as float64 rows [ranks, len(values)], in one all-gather: each rank
+        then sums or maximises the same table, the same way."""
+        mine = np.array(values, np.float64)
         if self.comm is not None:
             table = np.empty((self.comm.Get_size(), len(mine)), np.float64)
             self.comm.Allgather(mine, table)
-        else:
-            gathered = torch.empty(dist.get_world_size(self.group) * len(mine), dtype=torch.float64,
-                                   device=self.device)
-            dist.all_gather_into_tensor(gathered, torch.from_numpy(mine).to(self.device), group=self.group)
-            table = gathered.view(-1, len(mine)).cpu().numpy()
-        return table[:, :-1].sum(axis=0).tolist(), int(table[:, -1].max())
+            return table
+        gathered = torch.empty(dist.get_world_size(self.group) * len(mine), dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(gathered, torch.from_numpy(mine).to(self.device), group=self.group)
+        return gathered.view(-1, len(mine)).cpu().numpy()
 
     def hook(self, model: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Let `model` (DDP over this group) average its gradient buckets through MPI, when on CPU
