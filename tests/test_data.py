@@ -147,17 +147,19 @@ def test_domains_are_mixed_by_their_shares_and_resume_exactly():
 
 
 def test_per_domain_metrics_count_rewards_and_outcome_codes():
+    """Accuracy counts the verifier's full marks before the length shaping: under DAPO a right
+    answer in the overlong buffer (shaped 0.8) is still right; a partial credit (0.5) is not."""
     from hpcrl.rollout.lifecycle import Group
     from hpcrl.runtime.scoring import domain_metrics
 
-    def group(domain, rewards, codes):
+    def group(domain, rewards, codes, outcomes):
         g = Group(0, 1, np.zeros(1, np.int32), "", len(rewards), domain)
-        g.rewards, g.codes = np.array(rewards), codes
+        g.rewards, g.codes, g.outcomes = np.array(rewards), codes, np.array(outcomes)
         return g
 
-    metrics = domain_metrics([group("math", [1.0, 0.0], ["ok", "no_answer"]),
-                              group("code", [0.5, 1.0], ["failed", "ok"])])
-    assert metrics["reward_mean/math"] == 0.5 and metrics["accuracy/math"] == 0.5
+    metrics = domain_metrics([group("math", [0.8, -0.2], ["ok", "no_answer"], [1.0, 0.0]),
+                              group("code", [0.5, 1.0], ["failed", "ok"], [0.5, 1.0])])
+    assert metrics["reward_mean/math"] == pytest.approx(0.3) and metrics["accuracy/math"] == 0.5
     assert metrics["reward_mean/code"] == 0.75 and metrics["accuracy/code"] == 0.5
     assert metrics["reward_codes/math/no_answer"] == 0.5 and metrics["reward_codes/code/failed"] == 0.5
 

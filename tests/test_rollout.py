@@ -212,7 +212,7 @@ def test_the_buffer_round_trips_through_a_checkpoint():
                                            np.float32), np.array([True] * 5 + [False, True, True]),
                           routed_experts=Ragged.from_rows([[row, 3] * 2 for row in range(8)], np.uint8))
     assert done == [groups[0], groups[1], groups[3]]
-    s.rewarded(done, np.array([1.0, 0.0, 0.5, 0.0, 0.5, 0.0]))
+    s.rewarded(done, np.array([1.0, 0.0, 0.5, 0.0, 0.5, 0.0]), outcomes=np.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0]))
     s.take(1)
     restored = scheduler("rollout.max_staleness=1", "algorithm.dynamic_sampling=false", "train.steps=2")
     restored.restore(1, s.buffer(), s.next_group_id, dict(s.attempts), dict(s.rounds))
@@ -221,7 +221,7 @@ def test_the_buffer_round_trips_through_a_checkpoint():
         return (g.group_id, g.state, g.version, g.answer, g.prompt_ids.tolist(), [r.tolist() for r in g.response_ids],
                 [lp.tolist() for lp in g.behaviour_logprobs], [v.tolist() for v in g.token_versions],
                 g.finished.tolist(), None if g.rewards is None else g.rewards.tolist(),
-                [r.tolist() for r in g.routed_experts])
+                None if g.outcomes is None else g.outcomes.tolist(), [r.tolist() for r in g.routed_experts])
 
     assert [state(g) for g in restored.groups.values()] == [state(g) for g in s.groups.values()]
     assert restored.rounds == s.rounds and restored.next_group_id == s.next_group_id

@@ -31,8 +31,9 @@ import numpy as np
 
 from hpcrl.ragged import Ragged
 
-# 2: the sampler's state per domain, each buffered sample's domain and reward code; 3: each token's policy version
-FORMAT_VERSION = 3
+# 2: the sampler's state per domain, each buffered sample's domain and reward code; 3: each token's policy version;
+# 4: each buffered sample's verifier outcome, before the length shaping
+FORMAT_VERSION = 4
 STATE_FILE = "state.h5"
 _STR = h5py.string_dtype("utf-8")
 

@@ -65,6 +65,7 @@ class Group:
     token_rewards: list[np.ndarray] | None = None                       # per sample, float32: an env's turn rewards
     routed_experts: list[np.ndarray] | None = None                      # per sample: its routing (router replay)
     rewards: np.ndarray | None = None                                   # per sample, float64, once scored
+    outcomes: np.ndarray | None = None                                  # per sample: the verifier's, before shaping
     codes: list[str] | None = None                                      # per sample: the reward's outcome code
 
     def move(self, state: SampleState) -> None:

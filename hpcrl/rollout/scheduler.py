@@ -225,18 +225,18 @@ class RolloutScheduler:
         not one whose answers are all wrong (or all right) and only their lengths' penalties differ."""
         size = self.group_size
         outcomes = rewards if outcomes is None else outcomes
-        scored, scored_outcomes = [], []
+        scored = []
         for i, group in enumerate(groups):
             if self.groups.get(group.group_id) is not group:   # aborted while its scores were computed
                 continue
             group.rewards = np.asarray(rewards[i * size:(i + 1) * size], dtype=np.float64)
             group.codes = list(codes[i * size:(i + 1) * size]) if codes is not None else ["ok"] * size
+            group.outcomes = np.asarray(outcomes[i * size:(i + 1) * size], dtype=np.float64)
             group.move(SampleState.REWARDED)
             scored.append(group)
-            scored_outcomes.append(np.asarray(outcomes[i * size:(i + 1) * size], dtype=np.float64))
         groups = scored
         if self.job.algorithm.dynamic_sampling and groups:
-            self._filter(groups, np.concatenate(scored_outcomes))
+            self._filter(groups, np.concatenate([g.outcomes for g in groups]))
         for batch in {g.batch for g in groups}:
             mine = self._batch_groups(batch)
             kept = [g for g in mine if g.state is SampleState.REWARDED]
@@ -342,6 +342,8 @@ class RolloutScheduler:
             "finished": np.array([bool(g.finished[i]) for g, i in rows], dtype=bool),
             "rewards": np.array([g.rewards[i] if g.rewards is not None else np.nan for g, i in rows],
                                 dtype=np.float64),
+            "outcomes": np.array([g.outcomes[i] if g.outcomes is not None else np.nan for g, i in rows],
+                                 dtype=np.float64),
             "code": [g.codes[i] if g.codes is not None else "" for g, i in rows],
         }
 
@@ -379,6 +381,8 @@ class RolloutScheduler:
                 if group.rewards is None:
                     group.rewards = np.zeros(self.group_size, dtype=np.float64)
                     group.codes = [""] * self.group_size
+                    group.outcomes = np.zeros(self.group_size, dtype=np.float64)
                     group.move(SampleState.REWARDED)
                 group.rewards[sample] = buffer["rewards"][row]
+                group.outcomes[sample] = buffer["outcomes"][row]
                 group.codes[sample] = buffer["code"][row]

@@ -48,7 +48,7 @@ from hpcrl.runtime.evaluation import Evaluator
 from hpcrl.runtime import startup
 from hpcrl.runtime.interrupts import interrupt
 from hpcrl.runtime.residency import Residency
-from hpcrl.runtime.scoring import Scorer, domain_metrics
+from hpcrl.runtime.scoring import Scorer, correct, domain_metrics
 
 
 class Busy:
@@ -374,7 +374,7 @@ class Controller:
         metrics.update({
             "reward_mean": fmean(rewards),
             "reward_std": float(rewards.std()),   # statistics.pstdev sums exact fractions: 10x slower
-            "accuracy": float(np.mean(rewards == 1.0)),
+            "accuracy": float(correct(np.concatenate([g.outcomes for g in groups])).mean()),
             "kl": mean_kl(old, ref, algo.kl_loss.estimator, loss_mask) if ref is not None else 0.0,
             "kl_in_reward_coef": self.kl_in_reward_coef,
             "sequence_kl": found.sequence_kl,

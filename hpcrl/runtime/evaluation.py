@@ -17,6 +17,7 @@ import numpy as np
 from hpcrl.config.job import JobConfig
 from hpcrl.data.tasks import Prompt
 from hpcrl.ragged import Ragged
+from hpcrl.runtime.scoring import correct
 
 EVAL_ATTEMPT = 1 << 20   # sampling streams of evaluation rounds, apart from training's (runtime.roles.sample_generator)
 
@@ -59,9 +60,9 @@ class Evaluator:
         metrics = {}
         for domain in dict.fromkeys(domains):
             mine = [i for i, d in enumerate(domains) if d == domain]
-            correct = (sampled_rewards[mine] >= 1.0).sum(axis=1)
+            right = correct(sampled_rewards[mine]).sum(axis=1)
             metrics[f"eval/{domain}/greedy_reward"] = float(greedy_rewards[mine].mean())
             metrics[f"eval/{domain}/sampled_reward"] = float(sampled_rewards[mine].mean())
-            metrics[f"eval/{domain}/pass@1"] = fmean(pass_at_k(k, int(c), 1) for c in correct)
-            metrics[f"eval/{domain}/pass@{k}"] = fmean(pass_at_k(k, int(c), k) for c in correct)
+            metrics[f"eval/{domain}/pass@1"] = fmean(pass_at_k(k, int(c), 1) for c in right)
+            metrics[f"eval/{domain}/pass@{k}"] = fmean(pass_at_k(k, int(c), k) for c in right)
         return metrics

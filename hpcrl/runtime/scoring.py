@@ -63,14 +63,21 @@ class Scorer:
         return rewards, list(result["codes"]), outcomes
 
 
+def correct(outcomes: np.ndarray) -> np.ndarray:
+    """Which samples count as right: the verifier's full marks (1), before any length shaping, so
+    that a right answer in DAPO's overlong buffer still counts and a partial credit does not."""
+    return np.asarray(outcomes) >= 1.0
+
+
 def domain_metrics(groups) -> dict[str, float]:
-    """Per domain of a step's groups: `reward_mean/<d>`, `accuracy/<d>` (reward 1) and the share of
-    each outcome code (`reward_codes/<d>/<code>`)."""
+    """Per domain of a step's groups: `reward_mean/<d>` (the shaped rewards training used),
+    `accuracy/<d>` (`correct` outcomes) and the share of each outcome code (`reward_codes/<d>/<code>`)."""
     domains = [g.domain for g in groups for _ in range(g.size)]
     rewards = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+    right = correct(np.concatenate([g.outcomes for g in groups])) if groups else np.zeros(0, bool)
     metrics = {}
     for domain in dict.fromkeys(domains):
-        mine = rewards[[d == domain for d in domains]]
-        metrics[f"reward_mean/{domain}"] = float(mine.mean())
-        metrics[f"accuracy/{domain}"] = float((mine >= 1.0).mean())
+        mine = np.array([d == domain for d in domains])
+        metrics[f"reward_mean/{domain}"] = float(rewards[mine].mean())
+        metrics[f"accuracy/{domain}"] = float(right[mine].mean())
     return {**metrics, **code_counts(domains, [c for g in groups for c in (g.codes or ["ok"] * g.size)])}
