@@ -62,7 +62,7 @@ def main() -> int:
         for _ in range(args.repeats):
             for name in rates:
                 lockstep = name == "lock-step"
-                sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, lockstep=lockstep)
+                sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id, lockstep=lockstep)
                 rollout = MultiTurnRollout(sampler, pool, env, turns, SamplingParams(4), max_turns=args.turns,
                                            turn_tokens=4, max_tokens=80, lockstep=lockstep)
                 started = time.perf_counter()

@@ -48,7 +48,7 @@ def main() -> None:
     prompts = Ragged.from_rows([tokenizer.encode(f"{a}+{b}=") for a, b in rng.integers(0, 100, (args.prompts, 2))],
                                np.int32)
     budgets = long_tailed(args.prompts, args.max_len, rng)
-    sampler = NativeSampler(model, -1, tokenizer.pad_token_id, max_seqs=args.slots)   # -1: no <eos>
+    sampler = NativeSampler(model, (), tokenizer.pad_token_id, max_seqs=args.slots)   # -1: no <eos>
     params = SamplingParams(args.max_len)
     useful = int(budgets.sum())
 

@@ -93,10 +93,10 @@ def main() -> None:
     model = load_full(files, job.model.dtype)
     params = SamplingParams(args.max_new)
     timings = {}
-    NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(   # warm-up
+    NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id).generate(   # warm-up
         prompts.slice(0, 4), params, torch.Generator().manual_seed(0))
     for record in (False, True):
-        sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=16,
+        sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id, max_seqs=16,
                                 record_routing=record)
         started = time.perf_counter()
         out = sampler.generate(prompts, params, torch.Generator().manual_seed(1))

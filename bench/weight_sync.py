@@ -100,7 +100,7 @@ def main() -> int:
             stage_s.append(time.perf_counter() - started)
         sync_fn = lambda: push(staged, group, 0)  # noqa: E731
     else:
-        sampler = NativeSampler(model, eos_id=2, pad_id=0)
+        sampler = NativeSampler(model, stop_ids=(2,), pad_id=0)
         receiver = WeightReceiver(sampler.landing_buffer)
 
         def sync_fn() -> None:

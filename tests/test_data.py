@@ -174,3 +174,64 @@ def test_the_shipped_data_and_tokenizer_are_what_the_script_makes(tmp_path):
     for name in ("math_train.jsonl", "math_eval.jsonl", "code_train.jsonl", "code_eval.jsonl",
                  "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (RLVR / name).read_bytes(), name
+
+
+
+def test_a_chat_template_that_writes_bos_itself_gives_one_bos_as_apply_chat_template_does(tmp_path):
+    """Llama-3's, Mistral's and Gemma's templates start with `{{ bos_token }}`: the prompt's ids are
+    apply_chat_template's, not a second `<bos>` in front of them."""
+    from transformers import AutoTokenizer
+
+    from hpcrl.data import HFTokenizer
+
+    hf = AutoTokenizer.from_pretrained(RLVR / "format-model")
+    hf.chat_template = "{{ bos_token }}" + hf.chat_template
+    hf.save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(str(tmp_path))
+    ids = tokenizer.encode(tokenizer.chat_prompt("1+1?", "Answer in \\boxed{}."))
+    expected = hf.apply_chat_template([{"role": "system", "content": "Answer in \\boxed{}."},
+                                       {"role": "user", "content": "1+1?"}], add_generation_prompt=True,
+                                      return_dict=False)
+    assert ids == list(expected) and ids.count(tokenizer.bos_token_id) == 1
+    assert tokenizer.encode("1+1?")[:1] == [tokenizer.bos_token_id], "plain text still starts with <bos>"
+
+
+def test_a_response_ends_at_every_eos_the_models_generation_config_lists(tmp_path):
+    """Instruct models list their end of turn in generation_config.json beside the tokenizer's
+    `<eos>` (Llama-3: <|eot_id|> and <|end_of_text|>), and transformers' generate stops at each:
+    so do the sampler, the decoding the verifier reads, and the scorer's `stopped`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hpcrl.data import HFTokenizer
+    from hpcrl.engines.hf_model import random_model
+    from hpcrl.config import load_job
+    from hpcrl.engines.native_sampler import NativeSampler, SamplingParams
+    from hpcrl.ragged import Ragged
+    from hpcrl.rewards.registry import reward_function
+    from hpcrl.rewards.scoring import RewardSpec, score_batch
+
+    AutoTokenizer.from_pretrained(RLVR / "format-model").save_pretrained(tmp_path)
+    tokenizer = HFTokenizer(str(tmp_path))
+    end_of_turn = tokenizer.encode("<|user|>", add_bos=False)[0]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_turn, tokenizer.eos_token_id]}))
+    tokenizer = HFTokenizer(str(tmp_path))
+    assert tokenizer.stop_token_ids == (tokenizer.eos_token_id, end_of_turn)
+    assert tokenizer.decode(tokenizer.encode("42", add_bos=False) + [end_of_turn, 7]) == "42"
+
+    model = random_model(load_job(REPO / "jobs" / "tiny_grpo.yaml").model, tokenizer, 0)
+
+    def likelier_end_of_turn(module, inputs, logits: torch.Tensor) -> torch.Tensor:
+        logits[..., end_of_turn] += 5.0
+        return logits
+
+    model.lm_head.register_forward_hook(likelier_end_of_turn)
+    generated = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id).generate(
+        Ragged.from_rows([tokenizer.encode("1+1=")] * 8, np.int32), SamplingParams(max_new_tokens=64),
+        torch.Generator().manual_seed(0))
+    ends = [int(row[-1]) for row in generated.response_ids]
+    assert end_of_turn in ends and all(end in tokenizer.stop_token_ids for end in ends), ends
+    specs = {"n": RewardSpec(reward_function("number"), {"require_stop": True})}
+    rewards, codes = score_batch(tokenizer, Ragged.from_rows([tokenizer.encode("42", add_bos=False) + [end_of_turn]],
+                                                             np.int32), ["42"], ["n"], specs)
+    assert (rewards.tolist(), codes) == ([1.0], ["ok"]), "the scorer counts the response as stopped"

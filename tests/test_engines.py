@@ -40,7 +40,7 @@ def test_same_seed_builds_identical_weights_and_another_seed_does_not():
 def test_kv_cache_sampling_logprobs_match_a_full_forward_with_ragged_prompts():
     _, tokenizer, model = tiny()
     prompts = rows([tokenizer.encode(t) for t in ("3+4=", "12+345=", "7=")] * 8)
-    sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id)
     out = sampler.generate(prompts, SamplingParams(max_new_tokens=5), torch.Generator().manual_seed(0))
     full, _ = response_logprobs(model, pack(prompts, out.response_ids, tokenizer.pad_token_id), temperature=1.0)
     assert out.finished.all()
@@ -52,11 +52,11 @@ def test_kv_cache_sampling_logprobs_match_a_full_forward_with_ragged_prompts():
 
 def test_a_round_stops_each_row_at_its_budget_and_cuts_unfinished_rows_at_the_deadline():
     _, tokenizer, model = tiny()
-    sampler = NativeSampler(model, -1, tokenizer.pad_token_id)   # no <eos>: only budgets and deadlines end rows
+    sampler = NativeSampler(model, (), tokenizer.pad_token_id)   # no <eos>: only budgets and deadlines end rows
     prompts = rows([tokenizer.encode("1+1=")] * 3)
     out = sampler.generate(prompts, SamplingParams(6), torch.Generator().manual_seed(0), budgets=np.array([2, 0, 5]))
     assert out.response_ids.lengths.tolist() == [2, 0, 5] and out.finished.tolist() == [True, True, True]
-    slow = NativeSampler(model, -1, tokenizer.pad_token_id, step_delay_s=0.05)
+    slow = NativeSampler(model, (), tokenizer.pad_token_id, step_delay_s=0.05)
     import time
     deadline = time.monotonic() + 0.2
     cut = slow.generate(prompts, SamplingParams(50), torch.Generator().manual_seed(0),
@@ -67,7 +67,7 @@ def test_a_round_stops_each_row_at_its_budget_and_cuts_unfinished_rows_at_the_de
 
 def test_sampling_is_reproducible_from_the_generator_seed():
     _, tokenizer, model = tiny()
-    sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id)
     prompts = rows([tokenizer.encode("1+1=")] * 16)
     runs = [sampler.generate(prompts, SamplingParams(4), torch.Generator().manual_seed(s)).response_ids.tolist()
             for s in (5, 5, 6)]
@@ -84,7 +84,7 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
     prompts = rows([tokenizer.encode(f"{a}+{b}=") for a, b in [(1, 2), (34, 5), (6, 78), (9, 0), (12, 3)] * 3])
     seeds = np.arange(len(prompts)) * 101 + 7
     params = SamplingParams(12)
-    alone = [NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(
+    alone = [NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id).generate(
         prompts.take(np.array([i])), params, torch.Generator(), seeds=seeds[i:i + 1]) for i in range(len(prompts))]
     lengths = {len(a.response_ids[0]) for a in alone}
     assert len(lengths) > 2, "the responses end at different lengths (else no row would leave early)"
@@ -93,7 +93,7 @@ def test_continuous_batching_samples_what_each_prompt_alone_would():
         lambda _, args: (decoded if args[0].shape[1] == 1 else prefilled).append(len(args[0])))
     for slots, lockstep in [(None, False), (4, False), (1, False), (None, True), (4, True)]:
         decoded.clear(), prefilled.clear()
-        sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, max_seqs=slots,
+        sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id, max_seqs=slots,
                                 lockstep=lockstep)
         out = sampler.generate(prompts, params, torch.Generator(), seeds=seeds)
         assert out.response_ids.tolist() == [a.response_ids[0].tolist() for a in alone], slots
@@ -133,7 +133,7 @@ def test_a_deadline_leaves_waiting_prompts_unstarted_and_unfinished():
     import time
 
     _, tokenizer, model = tiny()
-    slow = NativeSampler(model, -1, tokenizer.pad_token_id, step_delay_s=0.05, max_seqs=2)
+    slow = NativeSampler(model, (), tokenizer.pad_token_id, step_delay_s=0.05, max_seqs=2)
     deadline = time.monotonic() + 0.2
     cut = slow.generate(rows([tokenizer.encode("1+1=")] * 5), SamplingParams(50), torch.Generator().manual_seed(0),
                         stop=lambda finished: time.monotonic() > deadline)
@@ -147,7 +147,7 @@ def test_a_round_ends_when_its_needed_rows_have_and_the_others_continue_later():
     from hpcrl.runtime.interrupts import round_stop
 
     _, tokenizer, model = tiny()
-    sampler = NativeSampler(model, -1, tokenizer.pad_token_id)   # no <eos>: the budgets end the rows
+    sampler = NativeSampler(model, (), tokenizer.pad_token_id)   # no <eos>: the budgets end the rows
     needed = np.array([True, True, False, False])
     out = sampler.generate(rows([tokenizer.encode("1+1=")] * 4), SamplingParams(20), torch.Generator().manual_seed(0),
                            budgets=np.array([2, 3, 20, 20]), stop=round_stop(None, None, needed))

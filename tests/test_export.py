@@ -45,6 +45,7 @@ def test_export_loads_strictly_in_transformers_with_the_trainers_weights(tmp_pat
     sampling = model.generation_config
     assert (sampling.do_sample, sampling.temperature, sampling.top_p, sampling.top_k) == (True, 1.0, 1.0, 0), \
         "the job's sampling (no top-k: 0, which generate would otherwise fill with 50)"
+    assert sampling.eos_token_id == [tokenizer.eos_token_id], "the tokens rollout stopped at"
     with torch.no_grad():
         generated = model.generate(**prompt)
     assert generated.shape[1] <= prompt.input_ids.shape[1] + model.generation_config.max_new_tokens

@@ -61,7 +61,7 @@ def _main(out: Path) -> None:
 
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml", ["model.max_position_embeddings=256"])
     tokenizer = CharTokenizer()
-    sampler = NativeSampler(random_model(job.model, tokenizer, job.seed), -1, tokenizer.pad_token_id,
+    sampler = NativeSampler(random_model(job.model, tokenizer, job.seed), (), tokenizer.pad_token_id,
                             step_delay_s=0.05)      # -1: no <eos>
     prompts = Ragged.from_rows([tokenizer.encode("1+1=")] * 3, np.int32)
     time.sleep(0.2)                                  # the older interrupt is waiting

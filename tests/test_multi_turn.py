@@ -21,7 +21,7 @@ def rollout_for(spec: EnvSpec, slots: int, lockstep: bool = False, max_turns: in
     tokenizer = CharTokenizer(env_characters(env))
     job = load_job(REPO / "jobs" / "tiny_grpo.yaml")
     model = random_model(job.model, tokenizer, 3)
-    sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, lockstep=lockstep)
+    sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id, lockstep=lockstep)
     pool = EnvPool(spec, slots, step_timeout_s)
     turns = TurnFormat(tokenizer)
     return MultiTurnRollout(sampler, pool, env, turns, SamplingParams(4), max_turns=max_turns, turn_tokens=4,
@@ -131,7 +131,7 @@ def test_chat_turns_read_as_the_conversation_the_template_renders():
 
     model.lm_head.register_forward_hook(likelier_eos)
     turns = TurnFormat(tokenizer, chat=True)
-    rollout = MultiTurnRollout(NativeSampler(model, eos, tokenizer.pad_token_id), EnvPool(spec, 4, 20.0), spec.build(),
+    rollout = MultiTurnRollout(NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id), EnvPool(spec, 4, 20.0), spec.build(),
                                turns, SamplingParams(4), max_turns=4, turn_tokens=4, max_tokens=200)
     with rollout.pool:
         trajectories = rollout.run([Request(group=i, env_seed=i, sample_seed=i) for i in range(8)])
@@ -144,15 +144,31 @@ def test_chat_turns_read_as_the_conversation_the_template_renders():
         for turn, action in enumerate(actions):
             endings.add(bool(action[-1] == eos))
             messages.append({"role": "assistant", "content": hf.decode(action, skip_special_tokens=False)
-                             .removesuffix(tokenizer.eos_text)})
+                             .removesuffix(tokenizer.token_text(eos))})
             result = replay.step(tokenizer.decode(action.tolist()))
             if turn + 1 < len(actions):
                 messages.append({"role": "user", "content": result.observation})
         rendered = tokenizer.chat_text(messages, add_generation_prompt=False).removesuffix("\n")   # the last closing
-        assert hf.decode(t.context(), skip_special_tokens=False).replace(tokenizer.eos_text, "") == "<bos>" + rendered
+        assert hf.decode(t.context(), skip_special_tokens=False).replace(tokenizer.token_text(eos), "") == "<bos>" + rendered
     assert endings == {True, False}, "both kinds of action ending were checked"
     assert sum(len(t.turn_tokens) for t in trajectories) > len(trajectories), "some went past one turn"
 
+
+
+def test_plain_turns_start_with_bos_only_where_the_tokenizer_has_one(tmp_path):
+    """env.chat: false with a tokenizer without `<bos>` (Qwen2.5, Qwen3): the first observation is
+    the instructions and the observation, nothing in front."""
+    from transformers import AutoTokenizer
+
+    from hpcrl.data import HFTokenizer
+
+    hf = AutoTokenizer.from_pretrained(REPO / "data" / "rlvr" / "format-model")
+    hf.bos_token = None
+    hf.save_pretrained(tmp_path)
+    tokenizer, env = HFTokenizer(str(tmp_path)), EnvSpec("frozenlake").build()
+    assert tokenizer.bos_token_id is None
+    ids = TurnFormat(tokenizer, chat=False).first(env, "start")
+    assert ids.tolist() == hf.encode(f"{env.system_prompt} {env.action_format} start ", add_special_tokens=False)
 
 @pytest.mark.parametrize("lockstep", [False, True])
 def test_a_kept_kv_cache_gives_the_trajectories_of_rereading_the_context_and_feeds_each_token_once(lockstep):

@@ -271,7 +271,7 @@ def reference_synchronous_run(config, steps: int, directory: Path) -> list[float
     files = random_files(config, tok, directory)
     actor = TorchTrainer(files, config, tok.pad_token_id, None)
     ref = TorchTrainer(files, config, tok.pad_token_id, None, trainable=False)
-    rollout = NativeSampler(load_full(files, config.model.dtype), tok.eos_token_id, tok.pad_token_id)
+    rollout = NativeSampler(load_full(files, config.model.dtype), tok.stop_token_ids, tok.pad_token_id)
     r = config.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     sampler = DomainSampler(load_prompts(config, tok)[0], config.seed)

@@ -58,7 +58,7 @@ def test_the_sampler_records_the_experts_of_every_position_a_trainer_feeds(tmp_p
     prompts), in lock-step (finished rows decode filler), and cut short by a stop (partial rollout)."""
     job = _job(arch)
     model = load_full(random_files(job, TOKENIZER, tmp_path), torch.float32)
-    sampler = NativeSampler(model, TOKENIZER.eos_token_id, TOKENIZER.pad_token_id, max_seqs=3,
+    sampler = NativeSampler(model, TOKENIZER.stop_token_ids, TOKENIZER.pad_token_id, max_seqs=3,
                             lockstep=batching == "lockstep", record_routing=True)
     steps = iter(range(10 ** 6))
     stop = (lambda finished: next(steps) >= 7) if batching == "cut" else None
@@ -132,7 +132,7 @@ def test_a_replica_without_rows_replies_with_an_empty_routing_column(tmp_path):
     the column, or joining the replicas' replies (keyed by the first) drops every replica's routing."""
     job = _job()
     model = load_full(random_files(job, TOKENIZER, tmp_path), torch.float32)
-    sampler = NativeSampler(model, TOKENIZER.eos_token_id, TOKENIZER.pad_token_id, record_routing=True)
+    sampler = NativeSampler(model, TOKENIZER.stop_token_ids, TOKENIZER.pad_token_id, record_routing=True)
     out = sampler.generate(Ragged.empty(0, np.int32), SamplingParams(4), torch.Generator().manual_seed(0))
     assert out.routed_experts is not None and len(out.routed_experts) == 0 and out.routed_experts.dtype == np.uint8
 
@@ -163,7 +163,7 @@ def test_a_trajectorys_routing_covers_its_whole_conversation_across_kept_caches(
     spec = EnvSpec("envs_for_tests:paced", {"length": 4, "delay_s": 0.01})
     tokenizer = CharTokenizer(env_characters(spec.build()))
     model = random_model(_job().model, tokenizer, 3)
-    sampler = NativeSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, record_routing=True)
+    sampler = NativeSampler(model, tokenizer.stop_token_ids, tokenizer.pad_token_id, record_routing=True)
     rollout = MultiTurnRollout(sampler, EnvPool(spec, 3, 20.0), spec.build(), TurnFormat(tokenizer), SamplingParams(4),
                                max_turns=5, turn_tokens=4, max_tokens=64)
     rollout.keep_cache = keep_cache

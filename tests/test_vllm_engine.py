@@ -17,12 +17,12 @@ from hpcrl.engines.vllm_engine import llm_kwargs, request_seeds, routed_row, sam
 
 def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
     kwargs = vllm_sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5), seed=11,
-                                  eos_id=2)
+                                  stop_ids=(2,))
     assert kwargs == dict(n=1, max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=11, logprobs=0,
                           detokenize=False, stop_token_ids=[2], ignore_eos=False)
-    assert vllm_sampling_kwargs(SamplingParams(7), seed=0, eos_id=2, max_tokens=3)["max_tokens"] == 3, \
+    assert vllm_sampling_kwargs(SamplingParams(7), seed=0, stop_ids=(2,), max_tokens=3)["max_tokens"] == 3, \
         "a continued response may add only what is left of its budget"
-    assert vllm_sampling_kwargs(SamplingParams(4), seed=0, eos_id=2)["top_k"] == -1, "0 means no cut: vLLM's -1"
+    assert vllm_sampling_kwargs(SamplingParams(4), seed=0, stop_ids=(2,))["top_k"] == -1, "0 means no cut: vLLM's -1"
 
 
 def test_request_seeds_are_a_function_of_the_generator_and_differ_per_prompt():
@@ -37,7 +37,7 @@ def test_the_llm_reads_token_ids_returns_processed_logprobs_and_can_sleep():
     assert kwargs["dtype"] == "bfloat16" and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 128
     assert kwargs["skip_tokenizer_init"] and kwargs["enable_sleep_mode"] and kwargs["load_format"] == "safetensors"
     assert kwargs["logprobs_mode"] == "processed_logprobs", "the trainer recomputes log softmax(logits / T)"
-    assert kwargs["generation_config"] == "vllm", "stops at the native sampler's <eos> only, not the model's list"
+    assert kwargs["generation_config"] == "vllm", "the job gives the sampling and the stop ids: none read from the model"
     # top-k/top-p: vLLM's processed log-probabilities are of the filtered distribution; the raw ones (before
     # temperature) are the trainer's at temperature 1, the only temperature the schema allows with them
     filtered = llm_kwargs("/tmp/m", 2, torch.bfloat16, 3, 0.4, 128, enforce_eager=True, filtered_sampling=True)

@@ -1,7 +1,9 @@
 """A character tokenizer for the built-in arithmetic tasks: tiny vocabulary, no files, no download."""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,6 +21,7 @@ class CharTokenizer:
         self.vocab = list(SPECIAL_TOKENS) + list(characters)
         self._ids = {token: index for index, token in enumerate(self.vocab)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
+        self.stop_token_ids = (self.eos_token_id,)
 
     @property
     def vocab_size(self) -> int:
@@ -50,7 +53,7 @@ class CharTokenizer:
         """Text up to the first `<eos>`, special tokens dropped."""
         chars = []
         for token in ids:
-            if token == self.eos_token_id:
+            if token in self.stop_token_ids:
                 break
             if token >= len(SPECIAL_TOKENS):
                 chars.append(self.vocab[token])
@@ -60,28 +63,32 @@ class CharTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer from a local model directory, behind the CharTokenizer interface."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, model_path: str | None = None):
+        """`model_path`: the model's directory, whose generation_config.json lists the tokens a
+        response ends at (default: `path`)."""
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.eos_token_id = self._tok.eos_token_id
         self.pad_token_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_token_id
         self.bos_token_id = self._tok.bos_token_id
+        self.stop_token_ids = stop_token_ids(self.eos_token_id, Path(model_path or path))
 
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """`text`'s ids, `<bos>` first (with `add_bos`, where the tokenizer has one) unless the text
+        already starts with it: a chat template that writes it itself (Llama-3, Mistral, Gemma) would
+        otherwise give the double `<bos>` the model never saw (apply_chat_template gives one)."""
         ids = self._tok.encode(text, add_special_tokens=False)
-        return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
+        if not add_bos or self.bos_token_id is None or ids[:1] == [self.bos_token_id]:
+            return ids
+        return [self.bos_token_id] + ids
 
     def to_hf(self):
         return self._tok
-
-    @property
-    def eos_text(self) -> str:
-        return self._tok.eos_token or ""
 
     def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         """`messages` as the chat template renders them; with `add_generation_prompt`, ending where the
@@ -96,11 +103,27 @@ class HFTokenizer:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         return self.chat_text(messages, add_generation_prompt=True)
 
+    def token_text(self, token: int) -> str:
+        """One token as the chat template writes it (`<|eot_id|>`, `<|im_end|>`)."""
+        return self._tok.decode([token], skip_special_tokens=False)
+
     def decode(self, ids: Sequence[int]) -> str:
+        """Text up to the first stop token, special tokens dropped."""
         ids = list(ids)
-        if self.eos_token_id in ids:
-            ids = ids[: ids.index(self.eos_token_id)]
-        return self._tok.decode(ids, skip_special_tokens=True)
+        end = next((i for i, token in enumerate(ids) if token in self.stop_token_ids), len(ids))
+        return self._tok.decode(ids[:end], skip_special_tokens=True)
+
+
+def stop_token_ids(eos_token_id: int | None, model_path: Path) -> tuple[int, ...]:
+    """The tokens a response ends at: the tokenizer's `<eos>`, then every `eos_token_id` of the
+    model's generation_config.json, as transformers' `generate` and vLLM stop. Instruct models list
+    their end of turn there (Llama-3: `<|eot_id|>` beside `<|end_of_text|>`; Qwen2.5: `<|im_end|>`
+    and `<|endoftext|>`); the tokenizer's `<eos>` alone can be the other one, and responses would then
+    run to their token budget."""
+    path = model_path / "generation_config.json"
+    listed = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else listed
+    return tuple(dict.fromkeys(int(t) for t in (eos_token_id, *listed) if t is not None))
 
 
 def env_characters(env: TextEnv) -> str:
@@ -115,7 +138,7 @@ def load_tokenizer(model: ModelConfig, env: EnvConfig | None = None) -> CharToke
     tasks' character tokenizer (with the characters of the job's env, if it has one)."""
     path = model.tokenizer or model.path
     if path:
-        return HFTokenizer(path)
+        return HFTokenizer(path, model.path)
     if env is None:
         return CharTokenizer()
     from hpcrl.envs import EnvSpec

@@ -108,13 +108,13 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 
 
 def _generation_config(job: JobConfig, tokenizer):
-    """The job's sampling, so that `generate` and vLLM sample as rollout did by default. top_k 0 is
-    written as 0, which both read as no top-k: left out (None), transformers' `generate` fills in its
-    default of 50."""
+    """The job's sampling and stop tokens, so that `generate` and vLLM sample as rollout did by
+    default. top_k 0 is written as 0, which both read as no top-k: left out (None), transformers'
+    `generate` fills in its default of 50."""
     from transformers import GenerationConfig
 
     rollout = job.rollout
     return GenerationConfig(do_sample=True, temperature=rollout.temperature, top_p=rollout.top_p,
                             top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=list(tokenizer.stop_token_ids),
                             pad_token_id=tokenizer.pad_token_id)

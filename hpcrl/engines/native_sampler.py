@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +45,7 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 @dataclass
 class Generation:
     """One round's output, a row per prompt: the sampled ids, their log-probabilities, and whether
-    the row is finished (stopped at `<eos>` or at its token budget) or was cut short (the round's
+    the row is finished (stopped at a stop token or at its token budget) or was cut short (the round's
     time limit, or new weights) and continues in a later round (partial rollout)."""
 
     response_ids: Ragged     # int32
@@ -62,11 +62,12 @@ class Generation:
 
 
 class NativeSampler:
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, step_delay_s: float = 0.0,
+    def __init__(self, model: torch.nn.Module, stop_ids: Sequence[int], pad_id: int, step_delay_s: float = 0.0,
                  max_seqs: int | None = None, owns_weights: bool = True, lockstep: bool = False,
                  record_routing: bool = False):
         """`max_seqs`: sequences decoding at once (rollout.max_num_seqs; None: every prompt of a call);
         `lockstep`: static batching (rollout.batching), the baseline continuous batching is measured against;
+        `stop_ids`: the tokens a response ends at (kept; the tokenizer's `stop_token_ids`);
         `record_routing`: a MoE model's generations carry the experts each token went to (router replay);
         `step_delay_s`: a pause after every decoding step, for tests of long rounds only;
         `owns_weights`: false when `model` is a trainer's, which sleep and wake leave where it is."""
@@ -74,7 +75,7 @@ class NativeSampler:
         self.owns_weights = owns_weights
         self.max_seqs = max_seqs
         self.lockstep = lockstep
-        self.eos_id = eos_id
+        self.stop_ids = np.asarray(stop_ids, dtype=np.int64)
         self.pad_id = pad_id
         self.step_delay_s = step_delay_s
         self.recorder = RoutingRecorder(model) if record_routing else None
@@ -134,7 +135,7 @@ class NativeSampler:
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
                  budgets: np.ndarray | None = None, stop: Callable[[np.ndarray], bool] | None = None,
                  seeds: np.ndarray | None = None) -> Generation:
-        """Sample a response per prompt; each stops at `<eos>` (kept), after `budgets[i]` tokens
+        """Sample a response per prompt; each stops at a stop token (kept), after `budgets[i]` tokens
         (default `params.max_new_tokens`), or unfinished as soon as `stop(finished)` is true (given
         which rows have ended).
 
@@ -364,7 +365,7 @@ class Decoding:
         self.tokens[rows, position] = tokens[live]
         self.logprobs[rows, position] = picked[live]
         self.lengths[rows] += 1
-        self.finished[rows] = (tokens[live] == self.sampler.eos_id) | (self.lengths[rows] >= self.budgets[rows])
+        self.finished[rows] = np.isin(tokens[live], self.sampler.stop_ids) | (self.lengths[rows] >= self.budgets[rows])
         ended = rows[self.finished[rows]]
         done = self.finished[self.active]
         if self.sampler.lockstep:

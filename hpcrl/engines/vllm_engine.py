@@ -47,7 +47,7 @@ def request_seeds(generator: torch.Generator, count: int) -> list[int]:
     return torch.randint(0, SEED_RANGE, (count,), generator=generator).tolist()
 
 
-def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tokens: int | None = None
+def vllm_sampling_kwargs(params: SamplingParams, seed: int, stop_ids: Sequence[int], max_tokens: int | None = None
                          ) -> dict[str, Any]:
     """vllm.SamplingParams(**these): one sample of at most `max_tokens` (default the params'), the
     sampled token's log-probability, token ids only."""
@@ -60,7 +60,7 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, eos_id: int, max_tok
         seed=seed,
         logprobs=0,              # 0 extra candidates: just the sampled token's log-probability
         detokenize=False,
-        stop_token_ids=[eos_id],  # kept in the output, as the native sampler keeps <eos>
+        stop_token_ids=list(stop_ids),  # kept in the output, as the native sampler keeps them
         ignore_eos=False,
     )
 
@@ -85,9 +85,9 @@ def llm_kwargs(model_dir: str, tensor_parallel_size: int, dtype: torch.dtype, se
         load_format="safetensors",
         enable_sleep_mode=True,
         logprobs_mode="raw_logprobs" if filtered_sampling else "processed_logprobs",
-        # not the model's generation_config.json: with "auto" vLLM adds every eos id listed there (Qwen2.5
-        # and Llama-3 instruct list two or three) to the stop ids, and its responses would end where the
-        # native sampler's run on and the scorer calls them not stopped; the job's sampling is all given
+        # the job's sampling and stop ids are all given (the tokenizer's stop_token_ids already hold the
+        # eos ids of the model's generation_config.json): vLLM reads nothing of its own from that file,
+        # and stops where the native sampler and the scorer stop
         generation_config="vllm",
         **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),   # vLLM's own continuous batching
         **({"enable_return_routed_experts": True} if record_routing else {}),
@@ -159,7 +159,7 @@ def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool, model_ty
 class VLLMEngine:
     _request_ids = itertools.count()
 
-    def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, eos_id: int, seed: int,
+    def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, stop_ids: Sequence[int], seed: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
                  sleep_level: int = 1, devices: Sequence[int] = (), filtered_sampling: bool = False,
                  max_num_seqs: int | None = None, record_routing: bool = False):
@@ -179,7 +179,7 @@ class VLLMEngine:
         import vllm
 
         self._vllm = vllm
-        self.eos_id = eos_id
+        self.stop_ids = tuple(stop_ids)
         self.sleep_level = sleep_level
         from transformers import AutoConfig
 
@@ -198,7 +198,7 @@ class VLLMEngine:
         budgets = np.full(len(prompts), params.max_new_tokens) if budgets is None else budgets
         seeds = request_seeds(generator, len(prompts))
         rows = [i for i in range(len(prompts)) if budgets[i] > 0]
-        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seeds[i], self.eos_id, int(budgets[i])))
+        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seeds[i], self.stop_ids, int(budgets[i])))
                     for i in rows]
         inputs = [{"prompt_token_ids": prompts[i].tolist()} for i in rows]
         if stop is None:

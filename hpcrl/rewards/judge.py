@@ -33,7 +33,7 @@ def _judge(model: str):
 
     tokenizer = HFTokenizer(model)
     network = load_full(ModelFiles(model), torch.float32).requires_grad_(False)
-    return tokenizer, NativeSampler(network, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return tokenizer, NativeSampler(network, tokenizer.stop_token_ids, tokenizer.pad_token_id)
 
 
 def judge_reward(responses: Sequence[Response], references: Sequence[str], model: str,

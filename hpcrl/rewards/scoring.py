@@ -84,7 +84,8 @@ def _score_many(limits: TimeLimits, spec: RewardSpec, responses: list[Response],
 
 def score_batch(tokenizer, responses: Ragged, references: Sequence[str], domains: Sequence[str],
                 specs: dict[str, RewardSpec], prompts: Ragged | None = None) -> tuple[np.ndarray, list[str]]:
-    """(rewards float64, outcome codes) of decoded responses (stopped: the last token is <eos>);
+    """(rewards float64, outcome codes) of decoded responses (stopped: the last token is one of the
+    tokenizer's `stop_token_ids`);
     `prompts`: their prompts' ids, decoded for the rewards that read them (judges).
 
     A deterministic reward scores each distinct (prompt, response, reference) once: a group's samples
@@ -102,7 +103,7 @@ def score_batch(tokenizer, responses: Ragged, references: Sequence[str], domains
             if key not in prompt_texts:
                 prompt_texts[key] = tokenizer.decode(prompt_rows[i].tolist())
             prompt = prompt_texts[key]
-        return Response(tokenizer.decode(ids.tolist()), len(ids) > 0 and int(ids[-1]) == tokenizer.eos_token_id,
+        return Response(tokenizer.decode(ids.tolist()), len(ids) > 0 and int(ids[-1]) in tokenizer.stop_token_ids,
                         prompt)
 
     scored: list[Scored | None] = [None] * len(rows)

@@ -68,16 +68,17 @@ class TurnFormat:
                 {"role": "user", "content": observation}]
             return np.array(self.tokenizer.encode(self.tokenizer.chat_text(messages, add_generation_prompt=True)),
                             np.int32)
-        return np.array([self.tokenizer.bos_token_id, *self.tokenizer.encode(f"{instructions} {observation} ",
-                                                                           add_bos=False)], np.int32)
+        return np.array(self.tokenizer.encode(f"{instructions} {observation} "), np.int32)
 
     def next(self, observation: str, action_ids: np.ndarray) -> np.ndarray:
         """The tokens between an action (`action_ids`, as generated) and the next one."""
         if not self.chat:
             return np.array(self.tokenizer.encode(f" {observation} ", add_bos=False), np.int32)
-        closing, eos = self._closing, self.tokenizer.eos_text
-        if len(action_ids) and action_ids[-1] == self.tokenizer.eos_token_id and closing.startswith(eos):
-            closing = closing[len(eos):]   # the model wrote the end of its message itself
+        closing = self._closing
+        if len(action_ids) and int(action_ids[-1]) in self.tokenizer.stop_token_ids:
+            end = self.tokenizer.token_text(int(action_ids[-1]))
+            if closing.startswith(end):
+                closing = closing[len(end):]   # the model wrote the end of its message itself
         return np.array(self.tokenizer.encode(closing + self._user_turn(observation), add_bos=False), np.int32)
 
     def _user_turn(self, observation: str) -> str:

@@ -221,13 +221,13 @@ class ActorInfer(Resident):
                 self.model = ctx.peers["actor_train"].trainer.module
             else:
                 self.model = load_full(ctx.model_files, job.model.dtype, ctx.device).requires_grad_(False)
-            self.engine = NativeSampler(self.model, tokenizer.eos_token_id, tokenizer.pad_token_id, decode_delay_s(),
+            self.engine = NativeSampler(self.model, tokenizer.stop_token_ids, tokenizer.pad_token_id, decode_delay_s(),
                                         job.rollout.max_num_seqs, owns_weights=not ctx.shared_weights,
                                         lockstep=job.rollout.batching == "lockstep",
                                         record_routing=job.algorithm.router_replay)
         elif ctx.replica_leader:
             self.engine = generation_engine(name)(ctx.model_files.path, DTYPES[job.model.dtype],
-                                                  tokenizer.eos_token_id, job.seed,
+                                                  tokenizer.stop_token_ids, job.seed,
                                                   tensor_parallel_size=len(ctx.replica_devices),
                                                   gpu_memory_utilization=job.rollout.gpu_memory_utilization,
                                                   devices=ctx.replica_devices,
