@@ -14,7 +14,7 @@ from hpcrl.data import CharTokenizer
 from hpcrl.ragged import Ragged
 from hpcrl.rewards import REWARDS, Response, RewardSpec, Scored, reward_function, score_batch
 from hpcrl.rewards.answers import extract_answer
-from hpcrl.rewards.code import code_reward
+from hpcrl.rewards.code import code_reward, extract_program
 from hpcrl.rewards.math import math_reward
 from hpcrl.rewards.text_rules import choice_reward, format_reward, ifeval_reward
 
@@ -29,9 +29,27 @@ def said(text: str, stopped: bool = True) -> Response:
     ("she has 3 then 1,250 coins", "1250"),
     ("#### 42\n", "42"),
     ("no number here", None),
+    (r"so $x = \frac{3}{2}$ for 2 of them", r"so $x = \frac{3}{2}$ for 2 of them"),   # for math-verify
+    (r"it costs \$5 for 2", "2"),   # an escaped dollar opens no LaTeX
 ])
-def test_the_final_answer_is_the_last_boxed_then_hashes_then_last_number(text, found):
+def test_the_final_answer_is_the_last_boxed_then_hashes_then_latex_whole_then_last_number(text, found):
     assert extract_answer(text) == found
+
+
+@pytest.mark.parametrize("response, reference, code", [
+    (r"The answer is $\frac{3}{2}$.", "2", "wrong"),
+    (r"The answer is $\sqrt{2}$.", "2", "wrong"),
+    (r"So the answer is \(2^{10}\).", "10", "wrong"),
+    (r"The answer is $\frac{1}{2}$.", "1/2", "ok"),
+    (r"We have $x+1=3$, so \[x = 2\]", "2", "ok"),
+])
+def test_a_latex_answer_outside_a_box_is_read_whole_not_by_its_last_digit(response, reference, code):
+    assert math_reward(said(response), reference) == Scored(float(code == "ok"), code)
+
+
+def test_integers_past_a_floats_precision_are_compared_exactly():
+    assert math_reward(said(r"\boxed{12345678901234567891}"), "12345678901234567890") == Scored(0.0, "wrong")
+    assert math_reward(said(r"\boxed{12345678901234567890}"), "12345678901234567890.0") == Scored(1.0, "ok")
 
 
 @pytest.mark.parametrize("response, reference", [
@@ -72,6 +90,31 @@ TESTS = json.dumps({"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0",
 ])
 def test_code_runs_against_its_tests_in_the_sandbox(program, reward, code):
     assert code_reward(said(program), TESTS, wall_s=3.0, cpu_s=1) == pytest.approx(Scored(reward, code))
+
+
+def test_a_python3_fence_is_read_as_the_program():
+    assert extract_program("Here:\n```python3\ndef add(a, b):\n    return a + b\n```") == \
+        "def add(a, b):\n    return a + b\n"
+
+
+@pytest.mark.parametrize("forgery", [
+    "import __main__, os\n__main__.report({'passed': [True, True, True]})\nos._exit(0)",
+    "import builtins\nbuiltins.exec = lambda *args, **kwargs: None",   # every test would run as nothing
+    "import json\njson.dumps = lambda *args, **kwargs: '{\"passed\": [true, true, true]}'",
+])
+def test_a_program_cannot_reach_the_harness_to_forge_its_results(forgery):
+    assert code_reward(said(forgery), TESTS, wall_s=3.0, cpu_s=1).reward == 0.0
+
+
+@pytest.mark.parametrize("text, reference", [
+    ("The answer is definitely B.", "B"),
+    ("The answer is clearly (A)", "A"),
+    ("Answer: each option fails except D", "D"),
+    ("So the answer is (C).", "C"),
+    ("ANSWER: J", "J"),
+])
+def test_a_choice_is_a_capital_letter_standing_alone(text, reference):
+    assert choice_reward(said(text), reference) == Scored(1.0, "ok")
 
 
 def test_choice_format_and_instruction_rules():

@@ -1,10 +1,16 @@
-"""Pulling the final answer out of a response: `\\boxed{...}`, GSM8K's `#### x`, or the last number."""
+"""Pulling the final answer out of a response: `\\boxed{...}`, GSM8K's `#### x`, the LaTeX of the
+response for math-verify to read, or the last number of plain text."""
 from __future__ import annotations
 
 import re
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 _HASHES = re.compile(r"####\s*([^\n]+)")
+_LATEX_MATH = re.compile(r"(?<!\\)\$|\\\(|\\\[")   # $, \( or \[ opening math; not an escaped \$
+
+
+def has_latex_math(text: str) -> bool:
+    return _LATEX_MATH.search(text) is not None
 
 
 def last_boxed(text: str) -> str | None:
@@ -25,12 +31,15 @@ def last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The response's final answer: the last boxed expression, else what follows `####`, else the
-    last number; None when there is none."""
+    whole text where it has LaTeX math (math-verify reads its last answer: the last number of
+    `$\\frac{3}{2}$` would be 2), else the last number; None when there is none."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
     hashes = _HASHES.findall(text)
     if hashes:
         return hashes[-1].strip()
+    if has_latex_math(text):
+        return text
     numbers = _NUMBER.findall(text)
     return numbers[-1].replace(",", "") if numbers else None

@@ -3,9 +3,13 @@
 The reference is JSON: {"tests": ["assert f(1) == 2", ...], "setup": "optional code run first"}. One
 sandbox run per response: a harness compiles the program (a syntax error is "compile_error"), runs
 it ("runtime_error" if it raises), then each test in the program's namespace, and reports the
-results after a marker it reads from stdin, so that what the program prints cannot pose as results
-(a program that inspects its caller's frames could still find the marker: the sandbox contains
-what it does, not what it claims).
+results after a marker it reads from stdin, so that what the program prints cannot pose as results.
+The harness keeps the marker and the results in a function's locals, took what it calls after the
+program (exec, os.write) before it ran, and reports a plain digit per test (no json module to
+patch): the program can neither call its report (`import __main__`) nor replace what reports. It
+still runs in the harness's process, though: a program that walks the interpreter's frames
+(sys._getframe, a trace function) can find the marker, and one that returns objects equal to
+everything passes `==` tests; the sandbox contains what a program does, not what it claims.
 """
 from __future__ import annotations
 
@@ -16,33 +20,35 @@ import secrets
 from hpcrl.rewards.base import Response, Scored
 from hpcrl.rewards.sandbox import Limits, run_python
 
-_FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"```(?:python3?|py)?\s*\n(.*?)```", re.DOTALL)
 _HARNESS = """\
-import json, sys
-marker = sys.stdin.readline().strip()
-tests = json.loads(sys.stdin.read())
-def report(outcome):
-    sys.stdout.write("\\n" + marker + json.dumps(outcome) + "\\n")
-    sys.stdout.flush()
-try:
-    program = compile(open("solution.py").read(), "solution.py", "exec")
-except (SyntaxError, ValueError) as error:
-    report({"compile_error": repr(error)})
-    raise SystemExit(0)
-namespace = {"__name__": "solution"}
-try:
-    exec(program, namespace)
-except BaseException as error:
-    report({"runtime_error": repr(error)})
-    raise SystemExit(0)
-passed = []
-for test in tests:
+import json, os, sys
+
+
+def main(marker, tests, run=exec, write=os.write):
+    def report(outcome):
+        write(1, ("\\n" + marker + outcome + "\\n").encode())
+
     try:
-        exec(test, namespace)
-        passed.append(True)
+        program = compile(open("solution.py").read(), "solution.py", "exec")
+    except (SyntaxError, ValueError):
+        return report("compile_error")
+    namespace = {"__name__": "solution"}
+    try:
+        run(program, namespace)
     except BaseException:
-        passed.append(False)
-report({"passed": passed})
+        return report("runtime_error")
+    passed = []
+    for test in tests:
+        try:
+            run(test, namespace)
+            passed.append("1")
+        except BaseException:
+            passed.append("0")
+    report("".join(passed))
+
+
+main(sys.stdin.readline().strip(), json.loads(sys.stdin.read()))
 """
 
 
@@ -68,11 +74,8 @@ def code_reward(response: Response, reference: str, wall_s: float = 10.0, cpu_s:
     reports = [line[len(marker):] for line in outcome.stdout.splitlines() if line.startswith(marker)]
     if not reports:   # the harness never reported: the program ended the process
         return Scored(0.0, "runtime_error")
-    result = json.loads(reports[-1])
-    if "compile_error" in result:
-        return Scored(0.0, "compile_error")
-    if "runtime_error" in result:
-        return Scored(0.0, "runtime_error")
-    passed = result["passed"]
-    share = sum(passed) / max(1, len(passed))
+    result = reports[-1]
+    if result in ("compile_error", "runtime_error"):
+        return Scored(0.0, result)
+    share = result.count("1") / max(1, len(result))   # a digit per test: 1 passed, 0 failed
     return Scored(share, "ok" if share == 1.0 else "failed")

@@ -4,16 +4,18 @@
 right (the stop counts as a position after the last digit) gives a random policy a little reward
 and GRPO a gradient to climb before the first exact answer is found.
 
-`math` (datasets): the final answer (`\\boxed{}`, `####`, or the last number) against the reference,
-equal when math-verify finds them mathematically equivalent (fractions, decimals, LaTeX, units,
-sets), as verl's and TRL's math rewards do.
+`math` (datasets): the final answer (`\\boxed{}`, `####`, else the last answer math-verify reads in
+a response with LaTeX math, as TRL's accuracy reward does, else the last number of plain text)
+against the reference, equal when math-verify finds them mathematically equivalent (fractions,
+decimals, LaTeX, units, sets), as verl's and TRL's math rewards do.
 """
 from __future__ import annotations
 
 import logging
 import re
+from fractions import Fraction
 
-from hpcrl.rewards.answers import extract_answer
+from hpcrl.rewards.answers import extract_answer, has_latex_math
 from hpcrl.rewards.base import Response, Scored
 
 STOP = "\0"
@@ -51,8 +53,9 @@ def math_reward(response: Response, reference: str) -> Scored:
     if answer is None:
         return Scored(0.0, "no_answer")
     if _PLAIN_NUMBER.fullmatch(answer) and _PLAIN_NUMBER.fullmatch(reference.strip()):
-        # the common case, 100x faster than sympy: two plain numbers are equal or not
-        return Scored(1.0, "ok") if float(answer) == float(reference) else Scored(0.0, "wrong")
+        # the common case, 100x faster than sympy: two plain numbers are equal or not (exactly: as
+        # floats, 12345678901234567891 would equal 12345678901234567890)
+        return Scored(1.0, "ok") if Fraction(answer) == Fraction(reference) else Scored(0.0, "wrong")
     logging.getLogger("math_verify").setLevel(logging.ERROR)   # its notice that its own timeouts are off
     gold = parse(_as_latex(reference), parsing_timeout=None)
     found = parse(_as_latex(answer), parsing_timeout=None)
@@ -65,6 +68,6 @@ number_reward.deterministic = math_reward.deterministic = True   # score_batch s
 
 
 def _as_latex(answer: str) -> str:
-    """math-verify reads LaTeX between dollars (or boxed); a bare answer is wrapped so it parses as one."""
+    """math-verify reads LaTeX math between delimiters; an answer without any is wrapped so it parses as one."""
     answer = answer.strip()
-    return answer if answer.startswith(("$", "\\boxed", "\\(", "\\[")) else f"${answer}$"
+    return answer if has_latex_math(answer) else f"${answer}$"

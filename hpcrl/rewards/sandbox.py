@@ -1,24 +1,32 @@
 """Model-written code runs here only: a bubblewrap sandbox with no network, a read-only system and limits.
 
-Each run gets its own temporary directory (the only writable place, bound at /tmp/sandbox), new
-namespaces (network, PID, IPC, UTS: no interface but a down loopback, its own process tree that
-dies with it), and kernel limits on CPU time, address space, open files, file size and processes.
+Each run gets its own directory, /tmp/sandbox, holding its files (read-only), new namespaces
+(network, PID, IPC, UTS: no interface but a down loopback, its own process tree that dies with it),
+and kernel limits on CPU time, address space, open files, file size and processes. It can write
+only to /tmp (its directory included) and /dev/shm, each a tmpfs of half of memory_mb: its files
+sit in RAM, which the address-space limit does not count, so its address space and files together
+stay under 2 x memory_mb, and nothing reaches the host's disk (the inodes of empty files, bounded
+by the wall time, are not counted: bubblewrap sets a tmpfs's size only). A bubblewrap older than
+0.7 sizes no tmpfs: there they are directories of the run's on the host's disk instead.
 Started by root (a CI runner, a container), the program runs as an unprivileged user id of its
 own, so that the process limit holds (the kernel does not count root's) and it cannot signal any
-process of the job. Wall time and output size are enforced from outside: past either, the sandbox
-is killed, with everything it started (its PID namespace ends with it).
+process of the job. Wall time and output size are enforced from outside: past either, or when the
+caller's own time limit interrupts the run, the sandbox is killed, with everything it started (its
+PID namespace ends with it).
 
 The caller's process never executes the code: `run_python` starts `bwrap`, which starts the
 interpreter. Without bubblewrap (`apt-get install bubblewrap`) it refuses to run anything.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import resource
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -101,12 +109,40 @@ def _processes_of(uid: int) -> int:
     return sum(owner == uid for _, (owner, _) in _processes())
 
 
-def _command(workdir: Path, program: list[str]) -> list[str]:
+def _command(workdir: Path, limits: Limits, program: list[str]) -> list[str]:
+    """bwrap's arguments: the system read-only, the program's files (`workdir`/files) read-only in its
+    directory on a writable /tmp, and /dev read-only but for its devices and a writable /dev/shm
+    (bubblewrap's /dev is an unsized tmpfs)."""
+    binds = [arg for path in sorted((workdir / "files").iterdir())
+             for arg in ("--ro-bind", str(path), f"{INSIDE}/{path.name}")]
+    tmp, shm = _scratch(workdir, limits)
     return [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1",
-            "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--bind", str(workdir), INSIDE,
-            "--proc", "/proc", "--dev", "/dev", "--chdir", INSIDE, "--clearenv",
+            "--ro-bind", "/", "/", *tmp, "/tmp", "--dir", INSIDE, *binds,
+            "--proc", "/proc", "--dev", "/dev", *shm, "/dev/shm", "--remount-ro", "/dev",
+            "--chdir", INSIDE, "--clearenv",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", INSIDE,
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OMP_NUM_THREADS", "1", *program]
+
+
+def _scratch(workdir: Path, limits: Limits) -> tuple[list[str], list[str]]:
+    """How /tmp and /dev/shm are mounted (their mount point follows): a tmpfs of half of memory_mb
+    each where bubblewrap sizes a tmpfs (0.7 and later, not setuid); elsewhere (RHEL 8 and 9, Ubuntu
+    22.04) an unsized tmpfs would hold in RAM whatever the program writes, so they are `workdir`'s
+    own directories on the host's disk, where RLIMIT_FSIZE bounds each file and the wall time the rest."""
+    if _bwrap_sizes_tmpfs():
+        size = ["--size", str(limits.memory_mb << 19)]   # half of memory_mb, in bytes
+        return [*size, "--tmpfs"], [*size, "--tmpfs"]
+    return ["--bind", str(workdir / "tmp")], ["--bind", str(workdir / "shm")]
+
+
+@functools.cache
+def _bwrap_sizes_tmpfs() -> bool:
+    """bubblewrap takes --size from 0.7 on, and never when installed setuid."""
+    path = bwrap_path()
+    if os.stat(path).st_mode & stat.S_ISUID:
+        return False
+    usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=30)
+    return "--size" in usage.stdout + usage.stderr
 
 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None) -> Outcome:
@@ -115,13 +151,15 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits(), files: dic
     workdir = Path(tempfile.mkdtemp(prefix="hpcrl-sandbox-"))
     uid = _sandbox_uid()
     try:
+        for scratch in ("files", "tmp", "shm"):
+            (workdir / scratch).mkdir()
         for name, text in {"main.py": code, **(files or {})}.items():
-            (workdir / name).write_text(text)
+            (workdir / "files" / name).write_text(text)
         if uid is not None:
-            for path in [workdir, *workdir.iterdir()]:
+            for path in [workdir, *workdir.iterdir(), *(workdir / "files").iterdir()]:
                 os.chown(path, uid, uid)
         program = [python_interpreter(), "-E", "-s", "main.py"]   # its directory on sys.path, no user site
-        return _supervise(_command(workdir, program), stdin, limits, uid)
+        return _supervise(_command(workdir, limits, program), stdin, limits, uid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -130,13 +168,14 @@ def _supervise(command: list[str], stdin: str, limits: Limits, uid: int | None) 
     started = time.monotonic()
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                preexec_fn=_limit(uid, limits), start_new_session=True)
-    try:
-        process.stdin.write(stdin.encode())
-        process.stdin.close()
-    except BrokenPipeError:
-        pass
     output = {"stdout": bytearray(), "stderr": bytearray()}
-    ended = _read(process, output, limits, started)
+    try:
+        _write(process, stdin)
+        ended = _read(process, output, limits, started)
+    except BaseException:   # the caller's own time limit (base.RewardTimeout), ^C: the program must not outlive it
+        _kill(process, uid)
+        process.wait()
+        raise
     if ended != "exited":
         _kill(process, uid)
     returncode = process.wait()
@@ -147,6 +186,14 @@ def _supervise(command: list[str], stdin: str, limits: Limits, uid: int | None) 
                                  "namespaces, sysctl user.max_user_namespaces > 0, and an interpreter every user "
                                  "can run)")
     return Outcome(_status(ended, returncode, stderr), returncode, stdout, stderr, wall)
+
+
+def _write(process: subprocess.Popen, stdin: str) -> None:
+    try:
+        process.stdin.write(stdin.encode())
+        process.stdin.close()
+    except BrokenPipeError:
+        pass
 
 
 def _read(process: subprocess.Popen, output: dict[str, bytearray], limits: Limits, started: float) -> str:

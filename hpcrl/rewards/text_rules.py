@@ -7,7 +7,9 @@ import re
 
 from hpcrl.rewards.base import Response, Scored
 
-_CHOICE = re.compile(r"(?:answer is|answer:)\s*\(?([A-J])\)?", re.IGNORECASE)
+# as OLMES and MMLU-Pro: the words in any case, the letter a capital standing alone ("the answer is
+# definitely B" is not D, nor "answer: each" E)
+_CHOICE = re.compile(r"(?i:answer is|answer:)\s*\(?([A-J])\b")
 _LETTER = re.compile(r"\b([A-J])\b")
 THINK = r"(?s)<think>.+?</think>\s*\S.*"   # reasoning in <think> tags, then an answer
 
@@ -18,7 +20,7 @@ def choice_reward(response: Response, reference: str) -> Scored:
     found = _CHOICE.findall(response.text) or _LETTER.findall(response.text)
     if not found:
         return Scored(0.0, "no_answer")
-    return Scored(1.0, "ok") if found[-1].upper() == reference.strip().upper() else Scored(0.0, "wrong")
+    return Scored(1.0, "ok") if found[-1] == reference.strip().upper() else Scored(0.0, "wrong")
 
 
 def format_reward(response: Response, reference: str, pattern: str = THINK, require_stop: bool = True) -> Scored:
