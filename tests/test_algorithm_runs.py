@@ -138,6 +138,17 @@ def test_the_reward_carries_the_kl_only_for_presets_that_put_it_there(name):
     assert with_ref.sequence_kl > 0
 
 
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "reinforce_pp"])
+def test_the_logged_kl_uses_the_estimator_of_the_kl_the_preset_applies(name):
+    """RLOO and REINFORCE++ put a k1 KL in the reward and none in the loss: their `kl` metric is
+    k1's, not the unused loss's k3; GRPO's KL loss logs its k3."""
+    from hpcrl.runtime.advantages import logged_kl_estimator
+
+    algo = load_job(TINY, [f"algorithm.name={name}"]).algorithm
+    assert logged_kl_estimator(algo) == {"grpo": "k3", "rloo": "k1", "reinforce_pp": "k1"}[name]
+
+
 @pytest.mark.parametrize("name", ["reinforce_pp", "grpo"])
 def test_observation_tokens_carry_no_kl_and_no_reward_into_the_advantages(name):
     """An env's trajectory: what the reference thinks of the observation tokens (loss mask 0) moves

@@ -94,6 +94,13 @@ def token_advantages(algo: AlgorithmConfig, rewards: np.ndarray, group_index: np
                        "returns": Ragged.from_padded(returns.numpy(), lengths)}, sequence_kl)
 
 
+def logged_kl_estimator(algo: AlgorithmConfig) -> str:
+    """The estimator of the KL the job applies, for the `kl` metric: the reward's where only the
+    reward holds one (PPO's, REINFORCE++'s k1), else the loss's."""
+    in_reward = algo.kl_in_reward.coef > 0 or algo.kl_in_reward.target is not None
+    return algo.kl_in_reward.estimator if in_reward and algo.kl_loss.coef == 0 else algo.kl_loss.estimator
+
+
 def mean_kl(old_logprobs: Ragged, ref_logprobs: Ragged, estimator: str, loss_mask: Ragged | None = None) -> float:
     """The token-mean KL of the policy that generated the batch from the reference (for the logs),
     over the tokens the loss counts."""

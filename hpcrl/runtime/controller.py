@@ -38,7 +38,7 @@ from hpcrl.placement.memory import ModelShape
 from hpcrl.ragged import Ragged
 from hpcrl.rollout.lifecycle import Group, routing_column
 from hpcrl.rollout.scheduler import Round, RolloutScheduler
-from hpcrl.runtime.advantages import mean_kl, token_advantages
+from hpcrl.runtime.advantages import logged_kl_estimator, mean_kl, token_advantages
 from hpcrl.runtime.checkpointing import Checkpointer
 from hpcrl.runtime.dispatch import Dispatch, Pending, WorkerGroup, busy, run, wait, wait_any
 from hpcrl.runtime.layout import WorldLayout
@@ -375,7 +375,7 @@ class Controller:
             "reward_mean": fmean(rewards),
             "reward_std": float(rewards.std()),   # statistics.pstdev sums exact fractions: 10x slower
             "accuracy": float(correct(np.concatenate([g.outcomes for g in groups])).mean()),
-            "kl": mean_kl(old, ref, algo.kl_loss.estimator, loss_mask) if ref is not None else 0.0,
+            "kl": mean_kl(old, ref, logged_kl_estimator(algo), loss_mask) if ref is not None else 0.0,
             "kl_in_reward_coef": self.kl_in_reward_coef,
             "sequence_kl": found.sequence_kl,
             "response_len": float(lengths.mean()),
