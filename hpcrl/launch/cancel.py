@@ -34,7 +34,8 @@ def cancel(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> 
     if stale is not None:
         raise CancelError(f"{run_dir}: its last holder, {holder.describe()}, has ended ({stale}): nothing to cancel")
     if holder.command != "run" and holder.slurm_job_id:
-        write_control(run_dir, "stop", "hpcrl cancel")
+        # no RUN_DIR/control: scancel's SIGTERM reaches every rank, and the batch script's own trap
+        # writes its stop there (a sweep's tasks each read their own directory's, not RUN_ROOT's)
         proc = run_tool(["scancel", holder.slurm_job_id], env)
         if proc is None or proc.returncode != 0:
             detail = "scancel not found" if proc is None else (proc.stderr or proc.stdout).strip()
