@@ -86,11 +86,15 @@ def test_a_corrupt_checkpoint_is_reported_and_skipped(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
-def test_a_dead_rank_restarts_from_the_last_checkpoint_when_the_profile_allows(tmp_path):
+@pytest.mark.parametrize("failed_in_step", [3, 2])
+def test_a_dead_rank_restarts_from_the_last_checkpoint_when_the_profile_allows(tmp_path, failed_in_step):
+    """After step 2's checkpoint the restart resumes from it; before any checkpoint (in step 2, after step 1's metrics) it
+    starts over from step 0 instead of refusing, and the failed attempt's metrics are kept aside."""
     profile = tmp_path / "local-restarts.yaml"
     profile.write_text((REPO / "clusters" / "local.yaml").read_text().replace("max_restarts: 0", "max_restarts: 1"))
     result = hpcrl(*run_args(tmp_path / "run", 4), "--cluster", str(profile),
-                   env={"HPCRL_INJECT_FAULT": "2:train_step:3:exit"}, timeout=400)
+                   env={"HPCRL_INJECT_FAULT": f"2:train_step:{failed_in_step}:exit"}, timeout=400)
     assert result.returncode == 0, result.stderr
-    assert "restart 1 of 1" in result.stderr and "step-2 (step 2)" in result.stderr
+    assert "restart 1 of 1" in result.stderr
+    assert ("step-2 (step 2)" in result.stderr) == (failed_in_step == 3)
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -15,7 +15,7 @@ import yaml
 
 from hpcrl.checkpoint.signals import PREEMPTION_SIGNALS, REQUEUE_SIGNALS, clear_control, write_control
 from hpcrl.config import ClusterProfile, JobConfig
-from hpcrl.config.constants import EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
+from hpcrl.config.constants import AUTOMATIC_RESTART_ENV, EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR
 from hpcrl.launch.lock import TOKEN_ENV, Holder, acquire, release, slurm_job_key
 from hpcrl.launch.shm import remove_stale
 from hpcrl.placement import Plan
@@ -113,6 +113,7 @@ def run_local(job: JobConfig, profile: ClusterProfile, profile_path: str | None,
                 return code
             print(f"hpcrl: the run failed (exit code {code}); restart {attempt + 1} of {profile.max_restarts} "
                   "from the newest checkpoint", file=sys.stderr, flush=True)
+            env[AUTOMATIC_RESTART_ENV] = "1"
         return code
     finally:
         release(run_dir, holder)

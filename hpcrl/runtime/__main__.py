@@ -178,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             from hpcrl.runtime.controller import Controller
 
             from hpcrl.checkpoint import ConfigMismatchError
+            from hpcrl.config.constants import AUTOMATIC_RESTART_ENV
             from hpcrl.runtime.checkpointing import RefusedError
 
-            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, args.restart,
+            restart = args.restart or os.environ.get(AUTOMATIC_RESTART_ENV) == "1"
+            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, restart,
                                     args.allow_config_change)
             startup.mark("controller built")
             try:
