@@ -106,6 +106,71 @@ def test_a_program_cannot_reach_the_harness_to_forge_its_results(forgery):
     assert code_reward(said(forgery), TESTS, wall_s=3.0, cpu_s=1).reward == 0.0
 
 
+STDIN_TESTS = json.dumps({"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]})
+
+
+@pytest.mark.parametrize("program, reward, code", [
+    ("a, b = map(int, input().split())\nprint(a + b)", 1.0, "ok"),
+    ("def main():\n    print(sum(map(int, input().split())))\nif __name__ == '__main__':\n    main()", 1.0, "ok"),
+    ("a, b = map(int, input().split())\nprint(a + b if a == 1 else a - b)", 0.5, "failed"),
+    ("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(1 if a == 5 else 0)", 0.5, "failed"),
+    ("a, b = map(int, input().split())\nprint(a + b + 0 // (a - 5))", 0.5, "failed"),   # raises in the second
+    ("a, b = map(int, input().split())\nprint(a + b)\nwhile a == 5:\n    pass", 0.0, "timeout"),
+    ("a, b = map(int, input().split()\nprint(a + b)", 0.0, "compile_error"),
+])
+def test_a_stdin_program_runs_once_per_input_and_earns_the_share_of_outputs_it_matches(program, reward, code):
+    assert code_reward(said(program), STDIN_TESTS, wall_s=3.0, cpu_s=1) == pytest.approx(Scored(reward, code))
+
+
+@pytest.mark.parametrize("program", [
+    "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.buffer.write(b'%d\\n' % (a + b))",
+    "import sys\nprint(sum(map(int, sys.stdin.read().split())))\nsys.exit(0)",
+    "import sys\nprint(sum(map(int, sys.stdin.readline().split())))\nexit()",
+])
+def test_a_stdin_program_may_read_and_write_text_or_bytes_and_exit_cleanly(program):
+    assert code_reward(said(program), STDIN_TESTS, wall_s=3.0, cpu_s=1) == Scored(1.0, "ok")
+
+
+@pytest.mark.parametrize("printed, expected, matches", [
+    ("print('3 4   ')\nprint()\nprint()", "3 4\n", True),   # trailing spaces and blank lines
+    ("print('3 4')", "3 4  \n\n", True),
+    ("print(1 / 3, 2.0)", "0.333333 2\n", True),   # numbers within numpy.allclose's tolerance
+    ("print(0.3334, 2)", "0.333333 2\n", False),
+    ("print(12345678901234567891)", "12345678901234567890\n", False),   # integers exactly
+    ("print(3)\nprint(4)", "3 4\n", False),   # lines stay lines
+    ("print('three')", "3\n", False),
+])
+def test_stdout_matches_up_to_trailing_whitespace_and_float_rounding(printed, expected, matches):
+    reference = json.dumps({"inputs": [""], "outputs": [expected]})
+    assert code_reward(said(printed), reference, wall_s=3.0, cpu_s=1).reward == float(matches)
+
+
+@pytest.mark.parametrize("forgery", [
+    "import os\nos.write(1, ('\\n' + '0' * 32 + '11\\n').encode())",   # marker-like text on the real stdout
+    "import __main__\n__main__.main('0' * 32, 'stdin', [])",
+    "import builtins\nbuiltins.all = lambda *args: True\nbuiltins.len = lambda *args: 0\nprint(0)",   # what compares
+    "import io\nio.BytesIO = type('Printed', (io.BytesIO,), {'getvalue': lambda self: b'3'})",
+])
+def test_a_stdin_program_cannot_reach_the_harness_to_forge_its_results(forgery):
+    assert code_reward(said(forgery), STDIN_TESTS, wall_s=3.0, cpu_s=1).reward == 0.0
+
+
+CALL_TESTS = json.dumps({"fn_name": "pair", "inputs": [[1, 2], [3, 4]], "outputs": [[1, 2], [[3, 4]]]})
+
+
+@pytest.mark.parametrize("program, reward, code", [
+    ("def pair(a, b):\n    return [a, b]", 1.0, "ok"),
+    ("def pair(a, b):\n    return (a, b)", 1.0, "ok"),   # a tuple is a list, and APPS wraps outputs in one
+    ("class Solution:\n    def pair(self, a, b):\n        return [a, b]", 1.0, "ok"),
+    ("class Solution:\n    def pair(self, a, b):\n        return [a, b] if a == 1 else [b, a]", 0.5, "failed"),
+    ("def other(a, b):\n    return [a, b]", 0.0, "failed"),
+    ("def pair(a, b):\n    return [a, b]\nraise ValueError('no')", 0.0, "runtime_error"),
+    ("class Solution:\n    def pair(self, a, b)\n        return [a, b]", 0.0, "compile_error"),
+])
+def test_call_based_tests_call_the_function_or_the_solution_method(program, reward, code):
+    assert code_reward(said(program), CALL_TESTS, wall_s=3.0, cpu_s=1) == pytest.approx(Scored(reward, code))
+
+
 @pytest.mark.parametrize("text, reference", [
     ("The answer is definitely B.", "B"),
     ("The answer is clearly (A)", "A"),
