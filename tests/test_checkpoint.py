@@ -385,3 +385,17 @@ def test_requeue_is_false_outside_slurm_and_bounded_when_scontrol_hangs(monkeypa
     assert requeue_slurm_job(timeout=1.5) is False
     assert time.monotonic() - started < 5
     assert "scontrol requeue 999999999 did not answer within 1.5 s" in caplog.text
+
+
+def test_a_state_written_before_outcomes_were_kept_reads_its_rewards_as_them(tmp_path):
+    """Format 3 (before each sample kept its verifier outcome beside the shaped reward) still
+    resumes: with no shaping told apart, the rewards are the outcomes."""
+    import h5py
+
+    from hpcrl.checkpoint.h5 import load_run_state, save_run_state
+
+    path = save_run_state(tmp_path / "state.h5", buffer={"rewards": np.array([1.0, np.nan])})
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 3
+    buffer = load_run_state(path).buffer
+    np.testing.assert_array_equal(buffer["outcomes"], buffer["rewards"])

@@ -138,6 +138,20 @@ def test_every_checkpoint_corrupt_refuses_to_start_over_unless_asked_and_keeps_t
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.superseded.jsonl")] == [1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-2.corrupt",
                                                                             "step-4.corrupt"]
+    # a valid checkpoint whose controller state another hpcrl wrote: refused before any rank loads it
+    import h5py
+
+    from hpcrl.checkpoint.manifest import sha256_file
+
+    state, manifest = tmp_path / "checkpoints/step-2/state.h5", tmp_path / "checkpoints/step-2/manifest.json"
+    with h5py.File(state, "r+") as f:
+        f.attrs["format_version"] = 99
+    fields = json.loads(manifest.read_text())
+    fields["files"]["state.h5"]["sha256"] = sha256_file(state).sha256
+    manifest.write_text(json.dumps(fields))
+    other = hpcrl(*args, "--set", "train.steps=4", timeout=300)
+    assert other.returncode == 97, other.stderr
+    assert "format_version 99 is not" in other.stderr and "move" in other.stderr and "aside" in other.stderr
 
 
 def test_a_deleted_metrics_file_is_rebuilt_and_a_changed_job_needs_its_key_allowed(tmp_path):

@@ -84,6 +84,8 @@ def test_a_corrupt_checkpoint_is_reported_and_skipped(tmp_path):
     assert "step-4" in resumed.stderr and "SHA-256 mismatch (corrupt); skipped" in resumed.stderr
     assert "resuming from" in resumed.stderr and "step-2 (step 2)" in resumed.stderr
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert "train.steps 4 -> 5 under lr_schedule cosine, which decays over train.steps: step 3 trains at lr" \
+        in resumed.stderr, "the extended run's lr jump is said"
 
 
 @pytest.mark.parametrize("failed_in_step", [3, 2])

@@ -172,16 +172,21 @@ def save_run_state(path: str | os.PathLike, buffer: Mapping[str, Sequence[Any] |
     return path
 
 
+class StateFormatError(ValueError):
+    """state.h5 was written by an hpcrl whose controller state this one cannot read."""
+
+
 def load_run_state(path: str | os.PathLike) -> RunState:
     with h5py.File(path, "r") as f:
         version = int(f.attrs.get("format_version", -1))
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{path}: format_version {version} is not {FORMAT_VERSION} (written by another hpcrl "
-                             "version, whose controller state differs): resume it with that version, or start the "
-                             "run over with --restart")
+        if version not in (3, FORMAT_VERSION):
+            raise StateFormatError(f"{path}: format_version {version} is not {FORMAT_VERSION} (written by another "
+                                   "hpcrl version, whose controller state differs)")
         group = f["buffer"]
         buffer = {name: _read_column(group[f"c{index}"])
                   for index, name in enumerate(json.loads(group.attrs["columns"]))}
         metrics = _read_metrics(f["metrics"])
         controller = json.loads(f["controller"].asstr()[()])
+    if version == 3 and "rewards" in buffer:   # no length shaping told apart: the rewards are the outcomes
+        buffer["outcomes"] = buffer["rewards"]
     return RunState(buffer, metrics, controller)

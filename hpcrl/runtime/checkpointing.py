@@ -14,9 +14,10 @@ from typing import Any
 
 from hpcrl.checkpoint import (Checkpoint, CheckpointStore, config_hash, load_rng, load_run_state, save_rng,
                               save_run_state)
-from hpcrl.checkpoint.h5 import RunState
+from hpcrl.checkpoint.h5 import RunState, StateFormatError
 from hpcrl.checkpoint.manifest import FileEntry, Manifest
 from hpcrl.config.job import JobConfig
+from hpcrl.engines.lr_schedule import learning_rate
 from hpcrl.metrics.jsonl import METRICS_FILE
 from hpcrl.runtime.dispatch import Dispatch, WorkerGroup, run, wait
 from hpcrl.runtime.layout import WorldLayout
@@ -99,11 +100,30 @@ class Checkpointer:
                                    "metrics.superseded.jsonl, damaged checkpoints stay as step-N.corrupt), or "
                                    "use another --run-dir")
             return None
+        self._note_schedule_horizon(checkpoint)
+        try:   # before any rank loads a model: an unreadable state refuses (no restart would change it)
+            state = load_run_state(checkpoint.path / STATE_FILE)
+        except StateFormatError as exc:
+            raise RefusedError(f"{exc}: resume it with the hpcrl version that wrote it; to start over instead, move "
+                               f"{checkpoint.path.parent} aside and give --restart") from None
         run(self.everyone, "load_checkpoint", Dispatch.ONE_TO_ALL, str(checkpoint.path))
         load_rng(checkpoint.path, 0)
-        state = load_run_state(checkpoint.path / STATE_FILE)
         print(f"hpcrl: resuming from {checkpoint.path} (step {checkpoint.step})", file=sys.stderr, flush=True)
         return state
+
+
+    def _note_schedule_horizon(self, checkpoint: Checkpoint) -> None:
+        """train.steps may change on resume (extending a run), but a decaying lr schedule runs over it:
+        the rate jumps at the resume step. Said, with the rates, so that nobody finds it in the curves."""
+        train = self.job.train
+        saved = (checkpoint.manifest.extra.get("config") or {}).get("train", {}).get("steps", train.steps)
+        if saved == train.steps or train.lr_schedule == "constant":
+            return
+        step = checkpoint.step + 1
+        before = learning_rate(train.model_copy(update={"steps": saved}), step)
+        print(f"hpcrl: train.steps {saved} -> {train.steps} under lr_schedule {train.lr_schedule}, which decays over "
+              f"train.steps: step {step} trains at lr {learning_rate(train, step):.3g} instead of {before:.3g}, and "
+              "the decay continues to the new last step", file=sys.stderr, flush=True)
 
 
 def _shares(root: Path, names: list[str], ranks: list[int]) -> dict[int, list[str]]:
