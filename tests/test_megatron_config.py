@@ -67,6 +67,17 @@ def test_moe_models_translate_to_megatron_routers_that_route_as_transformers_doe
     assert kwargs["moe_aux_loss_coeff"] == 0 and kwargs["moe_router_dtype"] == "fp32"
 
 
+def test_qkv_biases_follow_the_config_and_a_windowed_mixtral_is_refused():
+    """Qwen2-MoE builds its q/k/v biases from qkv_bias; Mixtral windows its attention whenever
+    sliding_window is set (Qwen2 only with use_sliding_window, so its usual sliding_window stays)."""
+    moe = dict(QWEN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    assert not transformer_config_kwargs(Qwen2MoeConfig(**moe, qkv_bias=False), {}, torch.float32)["add_qkv_bias"]
+    assert transformer_config_kwargs(Qwen2Config(**QWEN, sliding_window=4096, use_sliding_window=False), {},
+                                     torch.float32)["num_query_groups"] == 2
+    with pytest.raises(ValueError, match="sliding_window=64: Mixtral's windowed attention"):
+        transformer_config_kwargs(MixtralConfig(**QWEN, num_local_experts=4, sliding_window=64), {}, torch.float32)
+
+
 def test_a_qwen_moe_with_dense_layers_is_refused():
     config = Qwen2MoeConfig(**QWEN, num_experts=4, mlp_only_layers=[1])
     with pytest.raises(ValueError, match="mlp_only_layers=.1., decoder_sparse_step=1: the megatron engine builds "

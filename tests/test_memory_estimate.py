@@ -1,4 +1,5 @@
-"""The plan's memory estimate against what a training step really allocates (CPU, torch engine).
+"""The plan's memory estimate against what a training step really allocates (CPU: the torch engine,
+and the megatron engine's attention scores).
 
 Each case is a fresh process (bench/memory.py's probe) that loads a Qwen2-shaped model from
 safetensors, trains two steps (the first allocates gradients and Adam's state, as every later
@@ -53,3 +54,20 @@ def test_activations_are_what_changes_with_the_micro_batch(measured):
 def test_building_the_engine_never_holds_more_than_its_weights_and_one_layer(measured):
     for found in measured.values():
         assert found["startup_peak"] <= found["shard"] + found["layer"], found
+
+
+def test_the_megatron_estimate_counts_the_attention_scores_its_layers_keep(tmp_path):
+    """megatron-core's local attention keeps each layer's [heads/tp, S, S] softmax output for the
+    backward: with 16 heads over tp 2 and 1024-token sequences that is most of a step's peak (an
+    estimate of the linear terms alone was a quarter of it)."""
+    pytest.importorskip("megatron.core")
+    prompt, response = 992, 32
+    overrides = bench_memory.model_overrides(256, 704, 4, 16, 4, 1024, prompt + response)
+    overrides += [f"rollout.max_new_tokens={response}", "train.prompts_per_step=1", "algorithm.group_size=1",
+                  "train.minibatches=1", "train.micro_batch_size=1", "algorithm.kl_loss.coef=0"]
+    model_dir = bench_memory.write_model(overrides, tmp_path)
+    found = bench_memory.measure("megatron tp2", Path(model_dir), overrides,
+                                 SimpleNamespace(samples=1, prompt=prompt, response=response))
+    worst = max(found, key=lambda rank: rank["step_peak"])
+    assert worst["estimate_parts"]["attention scores"] > worst["step_peak"] / 2, worst
+    assert 0.7 < worst["estimate"] / worst["step_peak"] < 1.3, worst

@@ -14,7 +14,7 @@ import pytest
 
 from hpcrl.config import ClusterProfile, JobConfig, REPO_ROOT, load_job, load_profile, validate
 from hpcrl.placement import PlacementError, Plan, compile_plan, format_plan
-from hpcrl.placement.memory import ModelShape, count_parameters
+from hpcrl.placement.memory import ModelShape, count_parameters, device_bytes
 from hpcrl.placement.rank_groups import ORDER, RankGenerator, megatron_groups
 
 TINY_JOB = REPO_ROOT / "jobs" / "tiny_grpo.yaml"
@@ -168,15 +168,17 @@ def test_tiny_job_plan():
 def test_idle_roles_leave_a_device_only_when_its_roles_do_not_fit_there_together():
     """Rollout in the trainer's processes: trainer, reference and rollout share slots 0-1. On a
     device that holds all three nothing moves (a move is a copy each way and a stage round trip);
-    on one that holds the two that work in logprobs but not all three, each stage change sends the
-    idle ones to host memory (the trainer stays: rollout samples with its weights)."""
+    on one that holds the trainer with either of the others but not all three, each stage change
+    sends the idle ones to host memory (the trainer stays: rollout samples with its weights)."""
     job_config = load_job(TINY_JOB, COLOCATED_ROLLOUT)
     fits = compile_plan(job_config, load_profile())
-    total = {name: role.memory.total / 2**30 for name, role in fits.roles.items()}
-    everyone, working = sum(total.values()), total["actor_train"] + total["reference"]
-    for device_gb, moves in ((everyone * 1.01, {}), (working * 1.01, {"rollout": ("reference",),
-                                                                       "logprobs": ("actor_infer",),
-                                                                       "train": ("actor_infer", "reference")})):
+    memory = {name: role.memory for name, role in fits.roles.items()}
+    everyone = device_bytes(memory.values()) / 2**30
+    pairs = max(device_bytes([memory["actor_train"], memory[other]]) for other in ("reference", "actor_infer")) / 2**30
+    assert pairs < everyone
+    for device_gb, moves in ((everyone * 1.01, {}), ((pairs + everyone) / 2, {"rollout": ("reference",),
+                                                                              "logprobs": ("actor_infer",),
+                                                                              "train": ("actor_infer", "reference")})):
         plan = compile_plan(job_config, load_profile().model_copy(update={"device_memory_gb": device_gb}))
         assert {name: stage.offload for name, stage in plan.stages.items() if stage.offload} == moves
         assert (plan.roles["reference"].memory_gb["rollout"] == 0) == bool(moves)
@@ -238,17 +240,22 @@ def test_qwen_7b_example_plan():
     # 7.6B params over tp*pp = 8: Megatron bf16 weights 2 B/param, fp32 gradient buffer 4 B, fp32 master
     # weights + Adam 12 B over dp = 2; activations of one 4096-token micro-batch: 14 layers per stage x
     # 92416 B per token (2 * (2*3584 + (6*3584 + 3*512 + 4*18944) / 4) + 8*3584) x 2 micro-batches in
-    # flight; fp32 logits of 4096 positions x 152064/4 vocabulary and their gradient, and 3 fp32 tensors
-    # of the 1025 response positions.
+    # flight; megatron's attention scores: 7 heads per TP rank x 4096^2, 6 B each (fp32 softmax output and
+    # its bf16 copy) kept by those 28 layers, and 8 B of one layer's backward; fp32 logits of 4096
+    # positions x 152064/4 vocabulary and their gradient, and 3 fp32 tensors of the 1025 response positions.
     gb = {name: n / 2**30 for name, n in train.memory.parts}
     p = train.memory.params
     assert gb["weights"] == pytest.approx(2 * p / 8 / 2**30) and gb["grads"] == pytest.approx(4 * p / 8 / 2**30)
     assert gb["master+Adam"] == pytest.approx(12 * p / 16 / 2**30)
     assert gb["activations"] == pytest.approx(4096 * 14 * 92416 * 2 / 2**30)
+    assert gb["attention scores"] == pytest.approx(7 * 4096 ** 2 * (14 * 2 * 6 + 8) / 2**30)
     assert gb["logits"] == pytest.approx((4096 * 2 + 1025 * 3) * 38016 * 4 / 2**30)
-    assert 22.0 < train.memory_gb["train"] < 22.2
-    assert 3.1 < ref.memory_gb["logprobs"] == ref.memory_gb["train"] < 3.2   # weights 1.8 + logits 1.0
-    assert max(plan.stages["logprobs"].slot_memory_gb.values()) < 80
+    assert 41.3 < train.memory_gb["train"] < 41.4
+    # weights 1.8, activations 0.35, one layer's scores 1.5 (6 B kept and 8 B working), logits 1.0
+    assert 4.6 < ref.memory_gb["logprobs"] == ref.memory_gb["train"] < 4.7
+    # the two compute one after another: the trainer's working set beside both roles' weights and state
+    assert max(plan.stages["logprobs"].slot_memory_gb.values()) == pytest.approx(
+        (train.memory.total + ref.memory.part("weights")) / 2**30)
     # vLLM tp2: weights 7.1 GB + KV 64 seqs x 4096 tokens x 2*28*2*128*2 B = 7.0 GB, inside its pool of
     # rollout.gpu_memory_utilization 0.5 x 80 GB
     assert infer.memory.part("weights") + infer.memory.part("KV cache") == pytest.approx(14.09 * 2**30, rel=1e-3)
@@ -294,7 +301,7 @@ def test_async_rollout_beside_training_stays_resident_and_the_memory_check_adds_
     shared devices nothing of either may leave, so the stages' memory adds up; the reference, which
     logprobs needs beside both, then has room in train too and stays. Over the device, the plan says
     why and what to change."""
-    plan = big(SHARED_NODES)
+    plan = big([*SHARED_NODES, "rollout.gpu_memory_utilization=0.4"])
     rollout, logprobs, train = (plan.stages[s] for s in ("rollout", "logprobs", "train"))
     assert not rollout.moves and rollout.overlaps == ("logprobs", "train") and rollout.offload == ()
     assert logprobs.overlaps == train.overlaps == ("rollout", "reward")
@@ -302,7 +309,7 @@ def test_async_rollout_beside_training_stays_resident_and_the_memory_check_adds_
     everyone = ("actor_train", "actor_infer", "reference")
     assert plan.residency == {"logprobs": everyone, "train": everyone}
     roles = plan.roles
-    both = (roles["actor_train"].memory.total + roles["actor_infer"].memory.total + roles["reference"].memory.total)
+    both = device_bytes(role.memory for role in roles.values())
     assert max(logprobs.slot_memory_gb.values()) == pytest.approx(both / 2**30)
     assert rollout.slot_memory_gb == logprobs.slot_memory_gb == train.slot_memory_gb
     assert roles["reference"].memory_gb["rollout"] == roles["reference"].memory_gb["train"] > 0
@@ -316,7 +323,7 @@ def test_async_rollout_beside_training_stays_resident_and_the_memory_check_adds_
 
 
 def test_a_role_idle_on_its_own_devices_is_named_in_the_stage_it_works_in():
-    rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 115.08 GB on slot 0",
+    rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 187.10 GB on slot 0",
             load_job(BIG_JOB, ["rollout.max_staleness=0", "roles.actor_train.parallel.tp=1",
                                "roles.actor_train.parallel.pp=1", "roles.actor_train.parallel.dp=4"]),
             load_profile(BIG_CLUSTER))
@@ -588,14 +595,114 @@ def test_moe_parameter_counts_are_the_hugging_face_models(arch, sizes, tmp_path)
 
 
 def test_rejects_memory_over_the_device():
-    message = rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 99.13 GB on slot 0",
+    message = rejects("roles.actor_train.parallel: the memory estimate in stage logprobs is 171.15 GB on slot 0",
                       load_job(BIG_JOB, ["roles.actor_train.parallel.tp=1", "roles.actor_train.parallel.pp=1",
                                          "roles.actor_train.parallel.dp=16"]), load_profile(BIG_CLUSTER))
-    assert "over the device's 80 GB" in message and "reference 19.17 GB (weights 14.19 GB" in message
+    assert "over the device's 80 GB" in message and "reference 25.29 GB (weights 14.19 GB" in message
+
+
+NATIVE_ROLLOUT = ["roles.actor_infer.engine=native", "roles.actor_infer.parallel.tp=1",
+                  "roles.actor_infer.parallel.dp=16", "train.prompts_per_step=1024"]
+
+
+def test_vllm_keeps_the_kv_cache_inside_its_pool_so_a_large_step_waits_rather_than_being_refused():
+    """vLLM takes rollout.gpu_memory_utilization of the device and preempts sequences when its KV
+    cache is full: 1024 prompts x 8 need 112 GB of KV cache per replica, and it holds its 40 GB."""
+    for overrides in ([], ["rollout.max_num_seqs=256"]):
+        infer = big(["train.prompts_per_step=1024", *overrides]).roles["actor_infer"].memory
+        assert infer.total == int(0.5 * 80 * 2**30)
+    assert infer.part("KV cache") == 256 * 4096 * 2 * 28 * 2 * 128 * 2   # 256 sequences at once, kv heads over tp 2
+
+
+def test_rollout_max_num_seqs_bounds_the_native_samplers_kv_cache():
+    message = rejects("roles.actor_infer.parallel: the memory estimate in stage rollout is 126.19 GB",
+                      load_job(BIG_JOB, NATIVE_ROLLOUT), load_profile(BIG_CLUSTER))
+    assert "KV cache 112.00 GB" in message and "raise dp of actor_infer (now dp 16)" in message
+    assert "cap rollout.max_num_seqs" in message
+    infer = big([*NATIVE_ROLLOUT, "rollout.max_num_seqs=64"]).roles["actor_infer"].memory
+    assert infer.part("KV cache") == 64 * 4096 * 2 * 28 * 4 * 128 * 2
+
+
+def test_the_fix_names_only_what_lowers_the_role_on_this_cluster():
+    """tp is already a node's 8 GPUs and vLLM has no pp; dp shards Megatron's optimizer state; and
+    no layout of the 72B trainer without recompute fits the 128 GPUs."""
+    message = rejects("roles.actor_train.parallel: the memory estimate",
+                      load_job(REPO_ROOT / "jobs" / "qwen2.5-72b-grpo.yaml", ["train.recompute=false"]),
+                      load_profile(REPO_ROOT / "clusters" / "example-16x8-h100.yaml"))
+    assert "Fix: raise pp or dp of actor_train (now pp 4, dp 4), or keep fewer activations (train.recompute" in message
+    needs = message.split("no layout of actor_train fits on the cluster's 128 devices: alone it needs at least ")[1]
+    assert int(needs.split()[0]) > 128
     message = rejects("roles.actor_infer.parallel: the memory estimate in stage rollout",
-                      load_job(BIG_JOB, ["model.max_position_embeddings=32768", "train.prompts_per_step=256"]),
+                      load_job(BIG_JOB, ["roles.actor_infer.colocate_with=actor_train", "roles.actor_infer.parallel.tp=4",
+                                         "roles.actor_infer.parallel.dp=4", "rollout.gpu_memory_utilization=0.9",
+                                         "rollout.max_staleness=0", "roles.actor_train.offload=false"]),
                       load_profile(BIG_CLUSTER))
-    assert "KV cache" in message
+    assert "Fix: lower rollout.gpu_memory_utilization (0.9" in message and " pp" not in message
+
+
+def test_a_megatron_pipeline_trains_at_least_pp_micro_batches_whatever_micro_batch_size_says():
+    """With pp 4 the runtime cuts a DP rank's 16-row minibatch into 4 micro-batches of 4 with
+    train.micro_batch_size unset, as with 4: the plan counts the same 4 rows x 4 in flight."""
+    from hpcrl.config.job import Parallel
+    from hpcrl.placement.memory import estimate_role_memory
+
+    job72 = REPO_ROOT / "jobs" / "qwen2.5-72b-grpo.yaml"
+    shape, parallel = ModelShape.from_model(load_job(job72).model), Parallel(tp=8, pp=4, dp=4)
+    unset, four = (estimate_role_memory("actor_train", load_job(job72, [f"train.micro_batch_size={size}"]), shape,
+                                        parallel) for size in ("null", 4))
+    assert unset.parts == four.parts
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_the_plans_micro_batches_are_the_megatron_runtimes(pp):
+    import numpy as np
+
+    from hpcrl.config.job import Parallel
+    from hpcrl.engines.megatron.packing import equal_micro_batches
+    from hpcrl.engines.micro_batches import micro_batching
+    from hpcrl.placement.memory import micro_batches
+
+    for prompts, micro, tokens in product((1, 3, 4, 12, 32), (None, 1, 3, 4), (None, 6000, 20000)):
+        job_config = load_job(BIG_JOB, [f"train.prompts_per_step={prompts}", "train.minibatches=1",
+                                        f"train.micro_batch_size={micro or 'null'}",
+                                        f"train.max_tokens_per_micro_batch={tokens or 'null'}"])
+        share = prompts * job_config.algorithm.group_size // 2
+        groups = equal_micro_batches(micro_batching(job_config.train, joined=True), np.full(share, 3072),
+                                     np.full(share, 1024), pp)
+        assert micro_batches(job_config, Parallel(pp=pp, dp=2), 4096) == (len(groups[0]), len(groups))
+
+
+LLAMA_31 = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "hidden_act": "silu", "rope_theta": 500000.0, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+
+
+def test_a_model_path_the_megatron_engine_cannot_convert_is_refused_before_anything_starts(tmp_path):
+    """Llama-3.1's rope scaling is what the megatron engine refuses when it builds, after the nodes
+    have started; the plan reads config.json and refuses it first, with the engine that can run it."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31))
+    overrides = [f"model.path={tmp_path}", "model.arch=llama"]
+    message = rejects(f"model.path: {tmp_path / 'config.json'} has rope_type='llama3': only plain rotary "
+                      "embeddings are converted", load_job(BIG_JOB, overrides), load_profile(BIG_CLUSTER))
+    assert "megatron engine of roles.actor_train, roles.reference would refuse it" in message
+    assert "give them engine torch" in message
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31, "rope_scaling": None}))
+    assert big(overrides).roles["actor_train"].engine == "megatron"
+
+
+def test_the_plan_and_the_megatron_engine_refuse_the_same_configs():
+    """One table (engines/capabilities.megatron_model_refusals) on config.json's fields and on a
+    transformers config's."""
+    transformers = pytest.importorskip("transformers")
+    from hpcrl.engines.capabilities import megatron_model_refusals
+
+    for change in ({}, {"hidden_act": "gelu"}, {"attention_bias": True}, {"rope_scaling": None},
+                   {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}}):
+        fields = {**LLAMA_31, **change}
+        parsed = transformers.LlamaConfig(**fields).to_dict()
+        assert megatron_model_refusals(fields) == megatron_model_refusals(parsed), change
 
 
 def test_zero_divides_optimizer_gradients_and_weights_by_dp():
@@ -666,7 +773,7 @@ def test_the_72b_example_time_shares_all_128_gpus_stage_by_stage():
                               "train": ("actor_train",)}
     peaks = {name: max(stage.slot_memory_gb.values()) for name, stage in plan.stages.items()}
     assert peaks["rollout"] == peaks["reward"] == pytest.approx(68.0), "vLLM's 0.85 share, alone on the GPUs"
-    assert 31 < peaks["logprobs"] < 32 and 26 < peaks["train"] < 26.1
+    assert 32.1 < peaks["logprobs"] < 32.2 and 27.7 < peaks["train"] < 27.8
     text = format_plan(plan)
     assert ("stage rollout: active actor_infer; resident actor_infer; in host memory actor_train, reference; "
             "offload at entry actor_train, reference; peak 68.00 GB of 80 GB per device") in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # The model-parallel axes each engine implements beyond data parallelism.
 MODEL_PARALLEL: dict[str, tuple[str, ...]] = {
@@ -109,3 +110,40 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
         out.append(f"model.num_layers: {dims.num_layers} layers do not split evenly into roles.{role}.parallel.pp = "
                    f"{pp} pipeline stages; use a pp that divides {dims.num_layers}")
     return out
+
+
+MEGATRON_ARCHS = ("qwen2", "llama", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def megatron_model_refusals(config: Mapping[str, Any]) -> list[str]:
+    """What in a Hugging Face config (config.json's fields, or a config's `to_dict()`) the megatron
+    engine's converter cannot represent exactly, each naming the field; empty when it can. A field
+    left out takes transformers' default. The engine refuses these when it builds, the plan before
+    anything is submitted."""
+    arch = config.get("model_type")
+    if arch not in MEGATRON_ARCHS:
+        return [f"model_type={arch!r}: the megatron engine converts {', '.join(MEGATRON_ARCHS)} models only"]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    mlp_only, step = config.get("mlp_only_layers") or [], config.get("decoder_sparse_step", 1)
+    checks = (
+        (arch in ("qwen2_moe", "qwen3_moe") and (mlp_only or step != 1),
+         f"mlp_only_layers={mlp_only}, decoder_sparse_step={step}: the megatron engine builds every layer with "
+         "experts"),
+        (config.get("hidden_act", "silu") != "silu",
+         f"hidden_act={config.get('hidden_act')!r}: only SwiGLU (silu) MLPs are converted"),
+        (rope_type != "default", f"rope_type={rope_type!r}: only plain rotary embeddings are converted"),
+        (bool(config.get("use_sliding_window")), "use_sliding_window=True is not supported by the megatron engine"),
+        # Mixtral windows its attention whenever sliding_window is set (Qwen2's only with use_sliding_window)
+        (arch == "mixtral" and bool(config.get("sliding_window")),
+         f"sliding_window={config.get('sliding_window')}: Mixtral's windowed attention is not supported by the "
+         "megatron engine (it would attend to the whole prefix); set it to null"),
+        (arch == "llama" and bool(config.get("attention_bias") or config.get("mlp_bias")),
+         "LLaMA attention_bias/mlp_bias add biases (o_proj, MLP) the converter does not map"),
+        (arch == "mixtral" and bool(config.get("router_jitter_noise")),
+         f"router_jitter_noise={config.get('router_jitter_noise')}: Mixtral's router noise is not mapped to "
+         "megatron (the engines would route differently); set it to 0"),
+        (arch == "qwen3_moe" and bool(config.get("attention_bias")),
+         "Qwen3-MoE attention_bias adds an o_proj bias the converter does not map"),
+    )
+    return [reason for refused, reason in checks if refused]

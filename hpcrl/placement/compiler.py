@@ -22,7 +22,10 @@ allows it. Memory counts a role on a device in a stage when it is active there, 
 has its slots to itself (it then stays resident while idle); an
 inactive role sharing its slots waits in host memory and counts 0 (plan.resident_roles). In async
 mode (rollout.max_staleness >= 1) rollout runs alongside logprobs and train, so its roles are
-resident in both, and the memory check takes the peak over what overlaps.
+resident in both, and the memory check takes the peak over what overlaps. The roles on one device
+add up what they hold, but only the largest working set (memory.device_bytes: one rank serves
+their calls one after another). Over the device, the message names what would lower the biggest
+role there, and how many devices it alone would need when no layout on the cluster fits.
 """
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ from dataclasses import dataclass, replace
 
 from hpcrl.config.cluster import ClusterProfile
 from hpcrl.config.job import JobConfig, Parallel
-from hpcrl.engines.capabilities import ModelDims, parallel_refusals, role_refusals
+from hpcrl.engines.capabilities import (MODEL_PARALLEL, ModelDims, megatron_model_refusals, parallel_refusals,
+                                       role_refusals)
 from hpcrl.placement.errors import PlacementError
-from hpcrl.placement.memory import (DTYPE_BYTES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape, count_parameters,
-                                    estimate_role_memory, human_bytes)
+from hpcrl.placement.memory import (DTYPE_BYTES, GENERATION_ROLES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape,
+                                    count_parameters, device_bytes, estimate_role_memory, hf_config, human_bytes)
 from hpcrl.placement.plan import (CONSUMPTION, PRODUCTION, STAGES, CheckpointEstimate, Plan, RolePlan, StagePlan,
                                   kept_residency, resident_roles, residency_windows)
 from hpcrl.placement.rank_groups import megatron_groups
@@ -109,17 +113,30 @@ def _resolve_roles(job: JobConfig) -> dict[str, _Role]:
 GPU_ONLY_ENGINES = ("vllm",)
 
 
-def _check_capabilities(roles: dict[str, _Role], shape: ModelShape) -> None:
-    """What the engines would refuse at start-up (engines/capabilities.py, the table they check too),
-    for the resolved sizes (a colocated role inherits its target's)."""
+def _model_dims(shape: ModelShape) -> ModelDims:
     widths = (shape.intermediate_size, shape.expert_intermediate_size, shape.shared_expert_intermediate_size)
-    dims = ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers, shape.num_experts,
+    return ModelDims(shape.num_heads, shape.num_kv_heads, shape.vocab_size, shape.num_layers, shape.num_experts,
                      tuple(width for width in widths if width))
+
+
+def _check_capabilities(job: JobConfig, roles: dict[str, _Role], shape: ModelShape) -> None:
+    """What the engines would refuse at start-up (engines/capabilities.py, the table they check too),
+    for the resolved sizes (a colocated role inherits its target's), and a model.path whose
+    config.json the megatron engine cannot convert."""
+    dims = _model_dims(shape)
     for role in roles.values():
         refused = role_refusals(role.name, role.engine) + parallel_refusals(
             role.name, role.engine, role.parallel.model_dump(), dims)
         if refused:
             raise PlacementError("; ".join(refused))
+    megatron = [f"roles.{name}" for name, role in roles.items() if role.engine == "megatron"]
+    if job.model.path and megatron:
+        path, config = hf_config(job.model)
+        refused = megatron_model_refusals(config)
+        if refused:
+            raise PlacementError(f"model.path: {path} has {'; '.join(refused)}. The megatron engine of "
+                                 f"{', '.join(megatron)} would refuse it at start-up: give them engine torch "
+                                 "(fsdp: true to shard it) or deepspeed")
 
 
 def _check_parallel(roles: dict[str, _Role], profile: ClusterProfile) -> None:
@@ -284,7 +301,7 @@ def _check_stage_conflicts(roles: dict[str, _Role], slots: dict[str, list[int]],
 def _crowded(name: str, slots: dict[str, list[int]], memory: dict[str, MemoryEstimate], device_gb: float) -> bool:
     """Whether the roles holding one of `name`'s slots are over the device's memory together: only
     then must the idle ones make room (a move costs a copy each way and a round trip of the stage)."""
-    return any(sum(memory[other].total for other, theirs in slots.items() if slot in theirs) / GIB > device_gb
+    return any(device_bytes(memory[other] for other, theirs in slots.items() if slot in theirs) / GIB > device_gb
                for slot in slots[name])
 
 
@@ -319,20 +336,77 @@ def _stage_plans(job: JobConfig, roles: dict[str, _Role], slots: dict[str, list[
 
 def _slot_memory(stage: StagePlan, stages: dict[str, StagePlan], slots: dict[str, list[int]],
                  memory: dict[str, MemoryEstimate]) -> dict[int, float]:
-    """GB per used slot while `stage` runs: its residents' sum, or the peak over the stages it follows."""
+    """GB per used slot while `stage` runs: what its residents hold together (device_bytes), or the
+    peak over the stages it follows."""
     if stage.follows:
         kept = [_slot_memory(stages[s], stages, slots, memory) for s in stage.follows]
         return {slot: max(k[slot] for k in kept) for slot in kept[0]}
-    per_slot: dict[int, float] = {s: 0.0 for ss in slots.values() for s in ss}
-    for name in stage.resident:
-        for slot in slots[name]:
-            per_slot[slot] += memory[name].total / GIB
-    return per_slot
+    return {slot: device_bytes(memory[name] for name in stage.resident if slot in slots[name]) / GIB
+            for ss in slots.values() for slot in ss}
+
+
+def _dp_lowers(job: JobConfig, role: str) -> bool:
+    """Whether raising dp lowers the role's share of a device: Megatron's distributed optimizer and
+    ZeRO shard a trainer's optimizer state over it, FSDP2 and ZeRO-3 any role's weights; a rollout
+    replica then generates fewer sequences at once."""
+    zero = job.zero_stage(role)
+    return (zero >= 3 or role in GENERATION_ROLES
+            or (role in TRAINING_ROLES and (job.engine(role) == "megatron" or zero >= 1)))
+
+
+def _layout_fix(job: JobConfig, role: _Role, estimate: MemoryEstimate, profile: ClusterProfile) -> str:
+    """What lowers `role`'s share of a device: vLLM's pool; the sizes its engine can still raise (tp
+    up to a node, pp, cp, and dp where it shards state); a trainer's activations."""
+    if role.engine == "vllm":   # it takes its share whatever it holds (the plan checks its weights fit)
+        return (f"lower rollout.gpu_memory_utilization ({job.rollout.gpu_memory_utilization:g}: vLLM takes that "
+                "share of each device whatever it needs)")
+    p = role.parallel
+    axes = [axis for axis in MODEL_PARALLEL.get(role.engine, ()) if axis != "ep"
+            and (axis != "tp" or p.tp < profile.devices_per_node)]
+    axes += ["dp"] if _dp_lowers(job, role.name) else []
+    fixes = [f"raise {' or '.join(axes)} of {role.name} (now {', '.join(f'{a} {getattr(p, a)}' for a in axes)})"
+             ] if axes else [f"{role.name} ({role.engine}) splits no further"]
+    if role.name in TRAINING_ROLES and estimate.working > estimate.total / 2:
+        fixes.append("keep fewer activations (train.recompute: true, a smaller train.micro_batch_size or "
+                     "model.max_position_embeddings)")
+    if estimate.part("KV cache"):
+        fixes.append("cap rollout.max_num_seqs, or lower train.prompts_per_step or model.max_position_embeddings "
+                     "(the KV cache)")
+    return ", or ".join(fixes)
+
+
+def _devices_note(job: JobConfig, role: _Role, shape: ModelShape, profile: ClusterProfile) -> str:
+    """When no layout of `role` fits on this cluster: how many devices one would need."""
+    need = _devices_needed(job, role, shape, profile)
+    if need is None:
+        return f"; no layout of {role.name} fits a {profile.device_memory_gb:g} GB device"
+    if need.world > profile.slots:
+        return (f"; no layout of {role.name} fits on the cluster's {profile.slots} devices: alone it needs at least "
+                f"{need.world} (tp {need.tp}, pp {need.pp}, cp {need.cp}, dp {need.dp})")
+    return ""
+
+
+def _devices_needed(job: JobConfig, role: _Role, shape: ModelShape, profile: ClusterProfile) -> Parallel | None:
+    """The smallest layout of `role` alone (its engine's axes, tp within a node and the largest first,
+    dp splitting a minibatch) whose estimate fits the device, up to 64 times the cluster; None when
+    none does."""
+    p, dims = role.parallel, _model_dims(shape)
+    per_node, axes = profile.devices_per_node, MODEL_PARALLEL.get(role.engine, ())
+    samples = job.train.prompts_per_step * job.algorithm.group_size // job.train.minibatches
+    tps = [t for t in range(per_node, 0, -1) if per_node % t == 0] if "tp" in axes else [p.tp]
+    pps = [q for q in range(1, shape.num_layers + 1) if shape.num_layers % q == 0] if "pp" in axes else [p.pp]
+    dps = [d for d in range(1, samples + 1) if samples % d == 0]
+    layouts = sorted((Parallel(tp=t, pp=q, cp=p.cp, ep=p.ep, dp=d) for t in tps for q in pps for d in dps
+                      if t * q * p.cp * d <= 64 * profile.slots), key=lambda layout: layout.world)
+    return next((layout for layout in layouts
+                 if not parallel_refusals(role.name, role.engine, layout.model_dump(), dims)
+                 and estimate_role_memory(role.name, job, shape, layout, profile.device_memory_gb).gb
+                 <= profile.device_memory_gb), None)
 
 
 def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str, list[int]],
-                  memory: dict[str, MemoryEstimate], roles: dict[str, _Role], profile: ClusterProfile
-                  ) -> dict[str, StagePlan]:
+                  memory: dict[str, MemoryEstimate], roles: dict[str, _Role], shape: ModelShape,
+                  profile: ClusterProfile) -> dict[str, StagePlan]:
     """Fill each stage's per-slot memory; reject the worst (stage, slot) when it is over the device."""
     worst = None
     filled = {}
@@ -353,10 +427,7 @@ def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str,
                       and plan.slot_memory_gb[slot] >= total - 1e-9), stage)
         here = stages[stage]
         parts = " + ".join(f"{n} {memory[n].describe()}" for n in resident)
-        p = roles[biggest].parallel
-        fix = f"raise tp or pp of {biggest} (now tp*pp = {p.tp * p.pp})"
-        if memory[biggest].part("KV cache"):
-            fix += ", or lower train.prompts_per_step or model.max_position_embeddings (the KV cache)"
+        fix = _layout_fix(job, roles[biggest], memory[biggest], profile)
         kept = [n for n in resident if n not in here.active and not getattr(job.roles, n).offload]
         if kept:
             fix += f", or let {', '.join(kept)} leave the device while idle (roles.<name>.offload: true)"
@@ -371,6 +442,7 @@ def _check_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str,
                     "rollout.max_staleness: 0 so the stages take turns")
         elif len(resident) > 1:
             fix += ", or place the roles on separate devices"
+        fix += _devices_note(job, roles[biggest], shape, profile)
         where = f" (alongside {', '.join(beside)})" if beside else ""
         raise PlacementError(
             f"roles.{biggest}.parallel: the memory estimate in stage {named}{where} is {total:.2f} GB on "
@@ -458,7 +530,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     """The static device map of `job` on `profile`; raises PlacementError naming the role and field."""
     roles = _resolve_roles(job)
     shape = ModelShape.from_model(job.model)
-    _check_capabilities(roles, shape)
+    _check_capabilities(job, roles, shape)
     _check_context(job, shape)
     _check_parallel(roles, profile)
     _check_batches(job, roles)
@@ -473,7 +545,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
               for name, role in roles.items()}
     _check_vllm_pool(job, memory, profile)
     stages = _stage_plans(job, roles, slots, memory, shared_weights, profile.device_memory_gb)
-    stages = _check_memory(job, stages, slots, memory, roles, profile)
+    stages = _check_memory(job, stages, slots, memory, roles, shape, profile)
     stages = _host_memory(job, stages, slots, memory, roles, shape, profile)
 
     used = sorted({s for ss in slots.values() for s in ss})

@@ -37,7 +37,9 @@ shards = tp*pp.
     expert-data-parallel ranks, the same share as the dense parameters' with cp = 1).
 - Activations of a training role: one micro-batch of T = rows x S tokens, S the context
   (model.max_position_embeddings), rows = train.micro_batch_size (or the DP rank's minibatch;
-  for a forward-only role its whole share of the step), fewer when train.max_tokens_per_micro_batch caps rows x S. What a decoder layer keeps for the
+  for a forward-only role its whole share of the step), fewer when train.max_tokens_per_micro_batch caps rows x S;
+  with pp > 1 Megatron cuts equal micro-batches, at least pp of them (pipeline_micro_batches: its
+  runtime's rule). What a decoder layer keeps for the
   backward, per token: b * (2H + 6Q + 3KV + 4I) + 8H bytes (Q = heads * head_dim: the norms'
   outputs, q/k/v before and after RoPE, the repeated k/v and the attention output, SwiGLU's four
   I-wide tensors; the RMSNorms' fp32 inputs). In a MoE layer I is k*I_e + I_s (the k experts a
@@ -46,9 +48,17 @@ shards = tp*pp.
   averaged with the dense layers' over the layers. With context parallelism (engine torch) a cp
   rank keeps 1/cp of it and of the response logits, plus the (cp-1)/cp of the keys and values it
   gathers from the others (2*KV*b per token). Q, KV and I are split by tp; a pipeline stage holds
-  layers / pp layers for up to pp micro-batches in flight (1F1B). train.recompute keeps only
-  each layer's input (bH per token, for the pp micro-batches in flight) plus one layer's
+  layers / pp layers for the micro-batches in flight (1F1B: up to pp). train.recompute keeps only
+  each layer's input (bH per token, for the micro-batches in flight) plus one layer's
   activations.
+- Attention scores (engine megatron only: megatron-core's local DotProductAttention materialises
+  them, where torch's sdpa kernels do not): per sequence and layer heads/tp x S x S elements; a
+  layer keeps the fp32 softmax output and, when b < 4, its b-byte copy (6 bytes each in bf16,
+  4 in fp32), for every kept layer (those of the stage for the micro-batches in flight; one with
+  train.recompute), plus one layer's backward (the softmax's fp32 gradients and megatron's score
+  buffer: 8 bytes in bf16, 12 in fp32). A forward-only role holds one layer's: what it would keep
+  and 8 bytes of raw scores, their fp32 copy and the buffer. This is Korthikanti et al.'s 5as/h
+  term, which Megatron's own formula leaves out because it assumes flash attention.
 - Logits: rows x R x V / tp (R = job.response_budget(), rollout.max_new_tokens or env.max_tokens: the torch engines compute logits for
   response positions only) in b, their gradient in b, and for one chunk of 16M elements (at
   least one position: rows x V) the fp32 log-softmax, its exp and its gradient (recomputed in the backward); megatron computes
@@ -61,18 +71,24 @@ shards = tp*pp.
   of one rollout batch held at once:
   2 (K and V) * ceil(layers/pp) * ceil(kv_heads/tp) * head_dim * b * seqs * seq_len, where
   seqs = ceil(train.prompts_per_step * algorithm.group_size / dp) (the sequences of a step that one
-  replica generates concurrently) and seq_len = model.max_position_embeddings (the context cap: prompt
-  plus response never exceed it). vLLM replicates kv heads when tp > kv_heads, hence the ceil.
-  vLLM takes `rollout.gpu_memory_utilization` of the device whatever it needs: its pool is the
-  estimate when that is larger (the KV cache then lives inside it).
+  replica generates concurrently), at most rollout.max_num_seqs, and seq_len =
+  model.max_position_embeddings (the context cap: prompt plus response never exceed it). vLLM
+  replicates kv heads when tp > kv_heads, hence the ceil. vLLM takes
+  `rollout.gpu_memory_utilization` of the device whatever it needs and keeps the KV cache inside
+  that pool (preempting sequences when it is full): it holds max(pool, weights).
 - reward, env: no model on the device (0).
+- Roles sharing a device (device_bytes): the sum of what each holds, but of the working sets
+  (activations, attention scores, logits) only the largest: one rank serves its roles' calls one
+  after another.
 """
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpcrl.config.job import JobConfig, ModelConfig, Parallel
 from hpcrl.config.constants import LOGSOFTMAX_CHUNK_ELEMENTS
@@ -126,15 +142,7 @@ class ModelShape:
 
     @classmethod
     def _from_hf_config(cls, model: ModelConfig) -> "ModelShape":
-        path = Path(model.path) / "config.json"
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise PlacementError(f"model.path: {path} does not exist; give a local Hugging Face model "
-                                 "directory or drop model.path and give the sizes") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlacementError(f"model.path: cannot read {path}: {exc}") from None
-        config = config.get("text_config", config)
+        path, config = hf_config(model)
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
@@ -155,6 +163,20 @@ class ModelShape:
                        **_expert_fields(config, model_type, layers))
         except KeyError as exc:
             raise PlacementError(f"model.path: {path} has no {exc.args[0]!r}; is it a decoder-only LM config?") from None
+
+
+def hf_config(model: ModelConfig) -> tuple[Path, dict[str, Any]]:
+    """`model.path`'s config.json and its fields (a multimodal model's text_config), read without
+    transformers so that the plan runs on a login node."""
+    path = Path(model.path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlacementError(f"model.path: {path} does not exist; give a local Hugging Face model "
+                             "directory or drop model.path and give the sizes") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlacementError(f"model.path: cannot read {path}: {exc}") from None
+    return path, config.get("text_config", config)
 
 
 _QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
@@ -207,7 +229,9 @@ def count_parameters(shape: ModelShape, head: str = "lm") -> int:
     return embedding + layers + h + out
 
 
-TRANSIENT_PARTS = ("activations", "logits", "KV cache", "vLLM pool reserve")
+# What a role allocates for one call and frees when it returns
+WORKING_PARTS = ("activations", "attention scores", "logits")
+TRANSIENT_PARTS = WORKING_PARTS + ("KV cache", "vLLM pool reserve")
 
 
 @dataclass(frozen=True)
@@ -234,11 +258,23 @@ class MemoryEstimate:
         state. Activations, logits and vLLM's KV cache and pool are freed, not moved."""
         return self.total - sum(self.part(name) for name in TRANSIENT_PARTS)
 
+    @property
+    def working(self) -> int:
+        return sum(self.part(name) for name in WORKING_PARTS)
+
     def describe(self) -> str:
         if not self.params:
             return "0 GB (no model on the device)"
         parts = ", ".join(f"{name} {human_bytes(n)}" for name, n in self.parts if n)
         return f"{human_bytes(self.total)} ({parts}; {human_count(self.params)} params)"
+
+
+def device_bytes(estimates: Iterable[MemoryEstimate]) -> int:
+    """What the roles sharing one device hold at most together: each its state (and vLLM its pool),
+    and the largest working set of one call, not their sum: a rank serves its roles' calls one after
+    another (runtime/worker.serve), so two of them never compute at once on a device."""
+    estimates = list(estimates)
+    return sum(e.total - e.working for e in estimates) + max((e.working for e in estimates), default=0)
 
 
 def human_bytes(nbytes: float) -> str:
@@ -261,7 +297,18 @@ def kv_cache_bytes(job: JobConfig, shape: ModelShape, parallel: Parallel) -> int
     per_token = (2 * math.ceil(shape.num_layers / parallel.pp) * math.ceil(shape.num_kv_heads / parallel.tp)
                  * shape.head_dim * DTYPE_BYTES[job.model.dtype])
     sequences = math.ceil(job.train.prompts_per_step * job.algorithm.group_size / parallel.dp)
+    if job.rollout.max_num_seqs is not None:   # both engines decode at most this many at once
+        sequences = min(sequences, job.rollout.max_num_seqs)
     return per_token * sequences * shape.max_position_embeddings
+
+
+def _vllm_pool(weights: int, kv_cache: int, pool: int) -> list[tuple[str, int]]:
+    """vLLM takes its pool (rollout.gpu_memory_utilization of the device) whatever a step needs, and
+    keeps the KV cache in what the weights leave of it: a step that needs more waits (vLLM preempts
+    sequences and recomputes them), so the role holds max(pool, weights)."""
+    room = max(0, pool - weights)
+    held = min(kv_cache, room)
+    return [("weights", weights), ("KV cache", held), ("vLLM pool reserve", room - held)]
 
 
 def layer_parameters(shape: ModelShape) -> int:
@@ -269,17 +316,36 @@ def layer_parameters(shape: ModelShape) -> int:
         // max(1, shape.num_layers)
 
 
-def micro_batch_rows(job: JobConfig, parallel: Parallel, context: int, training: bool = True) -> int:
-    """Samples per micro-batch on one DP rank (see the module doc): a training step cuts each
-    minibatch, a log-prob pass the rank's whole share of the step."""
+def pipeline_micro_batches(samples: int, pp: int, fits: Callable[[int], bool], at_least: int = 1) -> int:
+    """How many equal micro-batches a pipeline (pp > 1) cuts `samples` rows into: the fewest, at
+    least pp to fill it (or one per sample) and at least `at_least`, that split the rows evenly and
+    whose size `fits` (called with the count); one per sample when none does. The plan's estimate
+    and the megatron engine's packing (engines/megatron/packing.equal_micro_batches) both cut so."""
+    first = max(min(pp, samples), at_least)
+    return next((m for m in range(first, samples + 1) if samples % m == 0 and fits(m)), samples)
+
+
+def micro_batches(job: JobConfig, parallel: Parallel, context: int, training: bool = True) -> tuple[int, int]:
+    """(samples per micro-batch, micro-batches) on one DP rank (see the module doc): a training step
+    cuts each minibatch, a log-prob pass the rank's whole share of the step; a pipeline cuts equal
+    micro-batches, at least pp of them, whatever train.micro_batch_size says."""
     train = job.train
-    rows = math.ceil(job.train.prompts_per_step * job.algorithm.group_size
-                     / (parallel.dp * (train.minibatches if training else 1)))
+    share = math.ceil(job.train.prompts_per_step * job.algorithm.group_size
+                      / (parallel.dp * (train.minibatches if training else 1)))
+    if parallel.pp > 1:
+        def fits(count: int) -> bool:
+            rows, tokens = share // count, train.max_tokens_per_micro_batch
+            return ((train.micro_batch_size is None or rows <= train.micro_batch_size)
+                    and (tokens is None or rows * context <= tokens))
+        count = pipeline_micro_batches(share, parallel.pp, fits)
+        return share // count, count
+    rows = share
     if train.micro_batch_size is not None:
         rows = min(rows, train.micro_batch_size)
     if train.max_tokens_per_micro_batch is not None:
         rows = min(rows, max(1, train.max_tokens_per_micro_batch // context))
-    return max(1, rows)
+    rows = max(1, rows)
+    return rows, math.ceil(share / rows)
 
 
 def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
@@ -294,6 +360,18 @@ def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
     sparse = b * (2 * h + (6 * q + 3 * kv + 4 * routed) / tp + (2 * k + 1) * h) + 8 * h + 8 * shape.num_experts
     share = min(shape.moe_layers, shape.num_layers) / shape.num_layers
     return share * sparse + (1 - share) * dense
+
+
+def _attention_scores(shape: ModelShape, b: int, tp: int, context: int) -> tuple[int, int, int]:
+    """Bytes per sequence of one layer's [heads/tp, S, S] attention scores, which megatron-core's
+    local DotProductAttention (the megatron engine's layer spec: no flash attention) materialises:
+    (kept for the backward: the fp32 softmax output and, when b < 4, its b-byte copy that probs @ V
+    saves; held beside that while the layer's forward runs: the raw scores and megatron's global
+    score buffer in b and their fp32 copy, 8 bytes either way; while its backward runs: the
+    softmax's fp32 gradients in and out and the buffer, less the copy freed by then)."""
+    elements = math.ceil(shape.num_heads / tp) * context * context
+    copy = b if b < 4 else 0
+    return elements * (4 + copy), elements * 8, elements * (8 + b - copy)
 
 
 def routed_expert_parameters(shape: ModelShape, layers: int) -> int:
@@ -361,10 +439,12 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
 
 
 def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Parallel) -> list[tuple[str, int]]:
-    """Activations and logits of one micro-batch (training roles: kept for the backward)."""
+    """Activations, attention scores and logits of one micro-batch (training roles: kept for the
+    backward, for the micro-batches in flight)."""
     b = DTYPE_BYTES[job.model.dtype]
     context = shape.max_position_embeddings
-    rows = micro_batch_rows(job, parallel, context, training=role in TRAINING_ROLES)
+    rows, count = micro_batches(job, parallel, context, training=role in TRAINING_ROLES)
+    in_flight = min(parallel.pp, count)   # 1F1B: stage 0 holds up to pp micro-batches
     tokens = rows * context
     cp = parallel.cp   # a cp rank keeps its share of the positions, and every position's keys and values
     per_token = (_activation_per_token(shape, b, parallel.tp)
@@ -372,12 +452,15 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
     layers = math.ceil(shape.num_layers / parallel.pp)
     vocab = math.ceil(shape.vocab_size / parallel.tp)
     megatron = job.engine(role) == "megatron"
-    if role not in TRAINING_ROLES:
-        activations = per_token * tokens
-    elif job.train.recompute:   # each layer's input, for the pp micro-batches in flight, and one layer's
-        activations = tokens * (layers * b * shape.hidden_size * parallel.pp + per_token)
+    kept, forward, backward = _attention_scores(shape, b, parallel.tp, context) if megatron else (0, 0, 0)
+    if role not in TRAINING_ROLES:   # one layer at a time
+        activations, scores = per_token * tokens, rows * (kept + forward)
+    elif job.train.recompute:   # each layer's input, for the micro-batches in flight, and one layer's
+        activations = tokens * (layers * b * shape.hidden_size * in_flight + per_token)
+        scores = rows * (kept + backward)
     else:
-        activations = tokens * layers * per_token * parallel.pp   # 1F1B: pp micro-batches in flight on stage 0
+        activations = tokens * layers * per_token * in_flight
+        scores = rows * (kept * layers * in_flight + backward)
     response = rows * math.ceil((job.response_budget() + 1) / cp) * vocab
     if role == "critic":   # one fp32 value per position (and its gradient) instead of the vocabulary's logits
         logits = rows * context * 4 * 2
@@ -389,7 +472,7 @@ def _activations(role: str, job: JobConfig, shape: ModelShape, parallel: Paralle
             logits = response * 2 * b + chunk * 3 * 4
         else:
             logits = response * b + chunk * 2 * 4
-    return [("activations", math.ceil(activations)), ("logits", math.ceil(logits))]
+    return [("activations", math.ceil(activations)), ("attention scores", scores), ("logits", math.ceil(logits))]
 
 
 def estimate_role_memory(role: str, job: JobConfig, shape: ModelShape, parallel: Parallel,
@@ -403,10 +486,10 @@ def estimate_role_memory(role: str, job: JobConfig, shape: ModelShape, parallel:
     if role in GENERATION_ROLES:
         weights = 0 if shared_weights else math.ceil(params * DTYPE_BYTES[job.model.dtype]
                                                      / (parallel.tp * parallel.pp))
-        parts = [("weights", weights), ("KV cache", kv_cache_bytes(job, shape, parallel))]
+        kv_cache = kv_cache_bytes(job, shape, parallel)
         if job.engine(role) == "vllm" and device_memory_gb is not None:
             pool = int(job.rollout.gpu_memory_utilization * device_memory_gb * GIB)
-            parts.append(("vLLM pool reserve", max(0, pool - weights - parts[1][1])))
-        return MemoryEstimate(params, tuple(parts))
+            return MemoryEstimate(params, tuple(_vllm_pool(weights, kv_cache, pool)))
+        return MemoryEstimate(params, (("weights", weights), ("KV cache", kv_cache)))
     return MemoryEstimate(params, tuple(_model_state(role, job, params, parallel, shape)
                                         + _activations(role, job, shape, parallel)))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpcrl.engines.capabilities import ModelDims, parallel_refusals, routed_experts
+from hpcrl.engines.capabilities import ModelDims, megatron_model_refusals, parallel_refusals, routed_experts
 from hpcrl.engines.resharding import GPTShape
 
 
@@ -22,27 +22,10 @@ MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def _check_supported(hf_config) -> None:
-    arch = hf_config.model_type
-    if arch not in ("qwen2", "llama") + MOE_ARCHS:
-        raise ValueError(f"the megatron engine converts qwen2, llama, {', '.join(MOE_ARCHS)} models, "
-                         f"not model_type={arch!r}")
-    if arch in ("qwen2_moe", "qwen3_moe") and (hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1):
-        raise ValueError(f"mlp_only_layers={hf_config.mlp_only_layers}, decoder_sparse_step="
-                         f"{hf_config.decoder_sparse_step}: the megatron engine builds every layer with experts")
-    if hf_config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU (silu) MLPs are converted")
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type={rope['rope_type']!r}: only plain rotary embeddings are converted")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported by the megatron engine")
-    if arch == "llama" and (hf_config.attention_bias or hf_config.mlp_bias):
-        raise ValueError("LLaMA attention_bias/mlp_bias add biases (o_proj, MLP) the converter does not map")
-    if arch == "mixtral" and hf_config.router_jitter_noise:
-        raise ValueError(f"router_jitter_noise={hf_config.router_jitter_noise}: Mixtral's router noise is not "
-                         "mapped to megatron (the engines would route differently); set it to 0")
-    if arch == "qwen3_moe" and hf_config.attention_bias:
-        raise ValueError("Qwen3-MoE attention_bias adds an o_proj bias the converter does not map")
+    """The converter's limits, from the table the plan checks config.json against too."""
+    refused = megatron_model_refusals(hf_config.to_dict())
+    if refused:
+        raise ValueError("; ".join(refused))
 
 
 def _moe_kwargs(hf_config) -> dict[str, Any]:
@@ -106,7 +89,9 @@ def transformer_config_kwargs(hf_config, parallel: Mapping[str, int], dtype: tor
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=hf_config.model_type in ("qwen2", "qwen2_moe"),
+        # Qwen2-MoE builds its q/k/v biases from qkv_bias (default true), Qwen2 always
+        add_qkv_bias=hf_config.model_type == "qwen2" or (hf_config.model_type == "qwen2_moe"
+                                                         and getattr(hf_config, "qkv_bias", True)),
         qk_layernorm=hf_config.model_type == "qwen3_moe",
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -14,6 +14,7 @@ import torch
 from hpcrl.engines.batch import length_mask, right_pad
 from hpcrl.engines.micro_batches import MicroBatching
 from hpcrl.ragged import Ragged
+from hpcrl.placement.memory import pipeline_micro_batches
 
 
 def pack(prompts: Ragged, responses: Ragged, pad_id: int, columns: dict[str, Ragged] | None = None,
@@ -57,6 +58,4 @@ def equal_micro_batches(cut: MicroBatching, prompt_lengths: np.ndarray, response
         size = samples // count
         return (cut.samples is None or size <= cut.samples) and (cut.tokens is None or size * width <= cut.tokens)
 
-    count = next((m for m in range(max(min(pp, samples), at_least), samples + 1) if samples % m == 0 and fits(m)),
-                 samples)
-    return list(order.reshape(count, -1))
+    return list(order.reshape(pipeline_micro_batches(samples, pp, fits, at_least), -1))
