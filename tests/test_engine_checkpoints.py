@@ -5,6 +5,8 @@ optimizer state) and must end with the weights and rewards of a run that was nev
 The torch engine with DDP has the same test in test_recovery.py. The engines run on CPU over gloo.
 Megatron trains a mixture-of-experts model with expert parallelism (ep = 2 over its 2 ranks): its
 files hold each EP rank's experts, and the dense and the expert optimizer state resume alike.
+PPO's critic warm-up makes checkpoints of an actor whose optimizer has never stepped: they must
+save, resume, and leave its first update as it would be without them.
 """
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ ENGINES = {  # name -> (the module its extra installs, the job overrides)
 }
 SMALL = ["train.steps=4", "train.prompts_per_step=4", "algorithm.group_size=4", "log.tensorboard=false",
          "log.check_weights=true", "checkpoint.every=2"]
+KILL_IN_STEP_3 = {"HPCRL_INJECT_FAULT": "2:train_step:3:exit"}   # rank 2 exits in its 3rd train_step call
+ACTORS = {  # the actor's engine family -> (the module its extra installs, the job overrides)
+    "torch-ddp": ("torch", []),
+    "megatron": ("megatron", ["roles.actor_train.engine=megatron", "roles.reference.engine=megatron"]),
+}
+# steps 1 and 2 train the critic alone; step 3 is the actor's first update
+WARMUP = ["algorithm.name=ppo", "algorithm.critic_warmup_steps=2", "roles.critic.engine=torch",
+          "roles.critic.colocate_with=actor_train", "train.steps=3"]
 
 
 def run(run_dir, overrides: list[str], *extra: str, **kwargs):
@@ -32,17 +42,25 @@ def run(run_dir, overrides: list[str], *extra: str, **kwargs):
     return hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(run_dir), *sets, *extra, timeout=400, **kwargs)
 
 
+def skip_without(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install hpcrl[{module}])")
+
+
+def one_restart(tmp_path) -> list[str]:
+    """The local cluster with one automatic restart, as `hpcrl run` arguments."""
+    profile = tmp_path / "local-restarts.yaml"
+    profile.write_text((REPO / "clusters" / "local.yaml").read_text().replace("max_restarts: 0", "max_restarts: 1"))
+    return ["--cluster", str(profile)]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_killed_rank_resumes_from_the_engines_checkpoint_bit_for_bit(tmp_path, engine):
     module, overrides = ENGINES[engine]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install hpcrl[{module}])")
+    skip_without(module)
     straight = run(tmp_path / "straight", overrides)
     assert straight.returncode == 0, straight.stderr[-4000:]
-    profile = tmp_path / "local-restarts.yaml"
-    profile.write_text((REPO / "clusters" / "local.yaml").read_text().replace("max_restarts: 0", "max_restarts: 1"))
-    killed = run(tmp_path / "killed", overrides, "--cluster", str(profile),
-                 env={"HPCRL_INJECT_FAULT": "2:train_step:3:exit"})
+    killed = run(tmp_path / "killed", overrides, *one_restart(tmp_path), env=KILL_IN_STEP_3)
     assert killed.returncode == 0, killed.stderr[-4000:]
     assert "restart 1 of 1" in killed.stderr and "step-2 (step 2)" in killed.stderr
     resumed, uninterrupted = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("killed", "straight"))
@@ -50,3 +68,21 @@ def test_a_killed_rank_resumes_from_the_engines_checkpoint_bit_for_bit(tmp_path,
     assert [m["reward_mean"] for m in resumed] == [m["reward_mean"] for m in uninterrupted]
     assert resumed[-1]["digest_actor_train"] == uninterrupted[-1]["digest_actor_train"]
     assert len(set(resumed[-1]["digest_actor_train"] + resumed[-1]["digest_actor_infer"]) - {None}) == 1
+
+
+@pytest.mark.parametrize("engine", ACTORS)
+def test_a_checkpoint_inside_the_critic_warmup_changes_nothing_the_actor_learns(tmp_path, engine):
+    """Steps 1 and 2 save the actor's never-stepped optimizer, the rank dies in step 3 (call 3 of
+    train_step: the critic's are 1 and 2) and resumes from step 2: the actor's first update must
+    match that of a run whose first checkpoint comes after it."""
+    module, overrides = ACTORS[engine]
+    skip_without(module)
+    straight = run(tmp_path / "straight", overrides + WARMUP + ["checkpoint.every=3"])
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    killed = run(tmp_path / "killed", overrides + WARMUP + ["checkpoint.every=1"], *one_restart(tmp_path),
+                 env=KILL_IN_STEP_3)
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "restart 1 of 1" in killed.stderr and "step-2 (step 2)" in killed.stderr
+    resumed, uninterrupted = (read_metrics(tmp_path / d / "metrics.jsonl")[-1] for d in ("killed", "straight"))
+    for key in ("step", "loss", "grad_norm", "digest_actor_train"):
+        assert resumed[key] == uninterrupted[key], key

@@ -46,11 +46,24 @@ def save_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer |
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
     else:
-        model_sd, optim_sd = get_state_dict(module, optimizer)
+        model_sd, optim_sd = _train_state_dict(module, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     writer = dcp.FileSystemWriter(path, thread_count=thread_count, sync_files=True)
     with _quiet_single_process():
         dcp.save(state, storage_writer=writer, **_dist_args(process_group))
+
+
+def _train_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """`get_state_dict` materialises a fresh optimizer's state with a zero-lr step() that counts as
+    Adam's first step (e.g. an actor saved during the critic warm-up): its first real update would
+    then use step 2's bias correction. Zero moments at step 0 are exactly Adam's lazy init, so the
+    count is undone, in the live optimizer and the saved state alike (they share the tensors)."""
+    fresh = not optimizer.state
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    if fresh:
+        for state in optimizer.state.values():
+            state["step"].zero_()
+    return model_sd, optim_sd
 
 
 def load_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike,

@@ -331,19 +331,27 @@ class MegatronTrainer:
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer])) if self.optimizer else []
 
+    def _stepped(self) -> bool:
+        """Whether the optimizer holds state: megatron-core allocates it in the first step, and before
+        (e.g. the actor during PPO's critic warm-up) its state dicts and gathers fail on the missing state."""
+        return any(opt.optimizer.state for opt in self._optimizers())
+
     @on_cpu_shim
     def save_state(self, path: Path) -> None:
         """One file per (TP, EP, PP) coordinate, written by its expert-DP rank 0 (the DP rank 0 when
         ep = 1; Megatron's own layout of a torch checkpoint): the model shard, the optimizer's
         common state, and the distributed optimizer's shards gathered over DP (the dense
         parameters' to DP rank 0, in the file of EP rank 0; the experts' over expert DP), so the
-        state loads on any DP size (same TP, EP and PP). Collective over the role's DP groups."""
-        param_states = [opt.get_parameter_state_dp_zero(use_gloo_comm=False) for opt in self._optimizers()]
+        state loads on any DP size (same TP, EP and PP). Collective over the role's DP groups.
+        An optimizer that has not stepped saves no state (None): it loads as fresh as it was."""
+        stepped = self._stepped()
+        param_states = ([opt.get_parameter_state_dp_zero(use_gloo_comm=False) for opt in self._optimizers()]
+                        if stepped else None)
         if self.pgc.expt_dp.rank() != 0:
             return
         Path(path).mkdir(parents=True, exist_ok=True)
         model = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        common = self.optimizer.state_dict() if self.optimizer is not None else None
+        common = self.optimizer.state_dict() if stepped else None
         torch.save({"model": model, "optimizer": common, "param_states": param_states}, self._state_file(path))
 
     @torch.no_grad()
@@ -360,7 +368,7 @@ class MegatronTrainer:
         if real_missing or unexpected:
             raise RuntimeError(f"{file}: the model shard does not fit this model: missing {real_missing}, "
                                f"unexpected {unexpected}")
-        if self.optimizer is not None:
+        if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             for opt, param_state in zip(self._optimizers(), state["param_states"]):
                 first = dist.get_rank(opt.data_parallel_group) == 0   # the rank that gathered it
