@@ -11,6 +11,7 @@ from conftest import hpcrl
 from hpcrl.config import REPO_ROOT, load_job, load_profile
 from hpcrl.metrics import read_metrics
 from hpcrl.placement import compile_plan
+from hpcrl.placement.memory import device_bytes
 
 FAST = ["--set", "train.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "log.tensorboard=false"]
 
@@ -253,6 +254,15 @@ def test_rollout_on_the_trainers_own_weights_samples_and_trains_as_with_a_synced
             assert m[key] == pytest.approx(c[key], rel=1e-4, abs=1e-6), (m["step"], key)
 
 
+def _small_devices(path, roles) -> str:
+    """A local profile whose devices hold what a stage needs with the trainer (the trainer and the
+    reference, or the trainer and rollout), not every role at once."""
+    need = max(device_bytes([roles["actor_train"].memory, roles[other].memory]) for other in ("reference", "actor_infer"))
+    path.write_text(yaml.safe_dump({**yaml.safe_load((REPO_ROOT / "clusters" / "local.yaml").read_text()),
+                                    "name": "small", "device_memory_gb": need * 1.01 / 2**30}))
+    return str(path)
+
+
 def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_bit_for_bit_the_same(tmp_path):
     """Trainer, reference and rollout on the same two CPU slots, on devices too small for the three
     together: entering each stage, the controller offloads what the plan offloads there and reloads
@@ -263,10 +273,7 @@ def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_
             "--set", "roles.actor_infer.colocate_with=actor_train", "--set", "roles.actor_infer.parallel.dp=2"]
     roles = compile_plan(load_job("jobs/tiny_grpo.yaml", [sets[i + 1] for i in range(0, len(sets), 2)]),
                          load_profile()).roles
-    working_gb = (roles["actor_train"].memory.total + roles["reference"].memory.total) / 2**30
-    small = tmp_path / "small.yaml"   # holds what logprobs needs, not all three at once
-    small.write_text(yaml.safe_dump({**yaml.safe_load((REPO_ROOT / "clusters" / "local.yaml").read_text()),
-                                     "name": "small", "device_memory_gb": working_gb * 1.01}))
+    small = _small_devices(tmp_path / "small.yaml", roles)
     runs = {}
     for offload in (True, False):
         run_dir = tmp_path / f"offload-{offload}"
@@ -302,8 +309,10 @@ def test_colocated_roles_move_off_their_devices_as_the_plan_says_and_the_run_is_
     # reference's moves with it; the same samples as with a copy of the weights
     shared_dir = tmp_path / "shared-small"
     shared = [x if x != "rollout.share_trainer_weights=false" else "rollout.share_trainer_weights=true" for x in sets]
-    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(shared_dir), *shared, "--cluster", str(small),
-                   timeout=300)
+    shared_roles = compile_plan(load_job("jobs/tiny_grpo.yaml", [shared[i + 1] for i in range(0, len(shared), 2)]),
+                                load_profile()).roles
+    result = hpcrl("run", "jobs/tiny_grpo.yaml", "--run-dir", str(shared_dir), *shared, "--cluster",
+                   str(_small_devices(tmp_path / "small-shared.yaml", shared_roles)), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     shared_plan = json.loads((shared_dir / "plan.json").read_text())
     assert shared_plan["rollout_shares_weights"] and shared_plan["stages"]["rollout"]["offload"] == ["reference"]
