@@ -270,6 +270,25 @@ def test_dcp_resumes_bit_exact_across_dp_sizes(tmp_path):
     assert all(torch.isfinite(p).all() for p in fresh.parameters())
 
 
+def test_saving_a_never_stepped_optimizer_changes_nothing_it_learns(tmp_path):
+    """An actor saved during PPO's critic warm-up: get_state_dict materialises Adam's state with a
+    step of its own, which its first real update would count (step 2's bias correction). Saved and
+    resumed, or only saved, it takes the same first step as an optimizer never saved."""
+    never_saved = _tiny_model(seed=1)
+    never_optimizer = torch.optim.AdamW(never_saved.parameters(), lr=0.01)
+    saved = _tiny_model(seed=1)
+    saved_optimizer = torch.optim.AdamW(saved.parameters(), lr=0.01)
+    save_train_state(saved, saved_optimizer, tmp_path / "warmup")
+    resumed = _tiny_model(seed=2)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+    load_train_state(resumed, resumed_optimizer, tmp_path / "warmup")
+    for model, optimizer in ((never_saved, never_optimizer), (saved, saved_optimizer), (resumed, resumed_optimizer)):
+        _train(model, model, optimizer, steps=1, seed=3)
+    expected = _snapshot(never_saved, never_optimizer)
+    _assert_same(_snapshot(saved, saved_optimizer), expected)
+    _assert_same(_snapshot(resumed, resumed_optimizer), expected)
+
+
 def test_dcp_load_refuses_a_different_model(tmp_path):
     model = _tiny_model(seed=1)
     optimizer = torch.optim.AdamW(model.parameters())
