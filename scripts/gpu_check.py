@@ -108,10 +108,10 @@ def build(args: argparse.Namespace, rollout_kind: str):
     say(f"megatron engine built in {time.perf_counter() - started:.1f}s")
     started = time.perf_counter()
     if rollout_kind == "vllm":
-        rollout = generation_engine("vllm")(files.path, DTYPES[job.model.dtype], tokenizer.eos_token_id, job.seed,
+        rollout = generation_engine("vllm")(files.path, DTYPES[job.model.dtype], tokenizer.stop_token_ids, job.seed,
                                             gpu_memory_utilization=0.3, enforce_eager=True)
     else:
-        rollout = generation_engine("native")(load_full(files, "float32", "cuda"), tokenizer.eos_token_id,
+        rollout = generation_engine("native")(load_full(files, "float32", "cuda"), tokenizer.stop_token_ids,
                                               tokenizer.pad_token_id)
     say(f"{rollout_kind} engine built in {time.perf_counter() - started:.1f}s")
     return job, tokenizer, trainer, rollout

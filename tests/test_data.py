@@ -235,3 +235,8 @@ def test_a_response_ends_at_every_eos_the_models_generation_config_lists(tmp_pat
     rewards, codes = score_batch(tokenizer, Ragged.from_rows([tokenizer.encode("42", add_bos=False) + [end_of_turn]],
                                                              np.int32), ["42"], ["n"], specs)
     assert (rewards.tolist(), codes) == ([1.0], ["ok"]), "the scorer counts the response as stopped"
+    # a chat prompt holds an end of turn after each message: a reward that reads it (a judge) gets it whole
+    prompt = Ragged.from_rows([tokenizer.encode("Be brief.") + [end_of_turn] + tokenizer.encode("1+1=", add_bos=False)],
+                              np.int32)
+    specs = {"n": RewardSpec(lambda response, reference: float(response.prompt.endswith("1+1=")))}
+    assert score_batch(tokenizer, Ragged.from_rows([[end_of_turn]], np.int32), ["2"], ["n"], specs, prompt)[0][0] == 1

@@ -126,9 +126,15 @@ def test_a_stdin_program_runs_once_per_input_and_earns_the_share_of_outputs_it_m
     "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.buffer.write(b'%d\\n' % (a + b))",
     "import sys\nprint(sum(map(int, sys.stdin.read().split())))\nsys.exit(0)",
     "import sys\nprint(sum(map(int, sys.stdin.readline().split())))\nexit()",
+    "a, b = map(int, open(0).read().split())\nprint(a + b)",   # competitive programming's file descriptor 0
 ])
 def test_a_stdin_program_may_read_and_write_text_or_bytes_and_exit_cleanly(program):
     assert code_reward(said(program), STDIN_TESTS, wall_s=3.0, cpu_s=1) == Scored(1.0, "ok")
+
+
+def test_stdin_tests_given_as_lists_of_lines_are_joined_as_verl_joins_them():
+    tests = json.dumps({"inputs": [["1", "2"], ["3", "4"]], "outputs": [["3"], ["7"]]})
+    assert code_reward(said("print(int(input()) + int(input()))"), tests, wall_s=3.0, cpu_s=1) == Scored(1.0, "ok")
 
 
 @pytest.mark.parametrize("printed, expected, matches", [

@@ -86,7 +86,7 @@ def test_vllm_samples_with_the_logprobs_the_native_sampler_computes(tmp_path, mo
     files = random_files(load_job(REPO / "jobs" / "tiny_grpo.yaml", model_overrides), tokenizer, tmp_path)   # vLLM loads these
     model = load_full(files, torch.float32)
     moe = bool(model_overrides)
-    engine = VLLMEngine(files.path, torch.float32, tokenizer.eos_token_id, seed=1, gpu_memory_utilization=0.2,
+    engine = VLLMEngine(files.path, torch.float32, tokenizer.stop_token_ids, seed=1, gpu_memory_utilization=0.2,
                         enforce_eager=True, record_routing=moe)
     prompts = Ragged.from_rows([tokenizer.encode(t) for t in ("3+4=", "12+3=", "7=")] * 4, np.int32)
     out = engine.generate(prompts, SamplingParams(6, temperature=0.8), torch.Generator().manual_seed(0),

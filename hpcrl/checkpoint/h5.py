@@ -180,8 +180,8 @@ def load_run_state(path: str | os.PathLike) -> RunState:
     with h5py.File(path, "r") as f:
         version = int(f.attrs.get("format_version", -1))
         if version not in (3, FORMAT_VERSION):
-            raise StateFormatError(f"{path}: format_version {version} is not {FORMAT_VERSION} (written by another "
-                                   "hpcrl version, whose controller state differs)")
+            raise StateFormatError(f"{path}: format_version {version} is not {FORMAT_VERSION} or 3, which this hpcrl "
+                                   "reads (written by another hpcrl version, whose controller state differs)")
         group = f["buffer"]
         buffer = {name: _read_column(group[f"c{index}"])
                   for index, name in enumerate(json.loads(group.attrs["columns"]))}

@@ -4,8 +4,8 @@ EXIT_REQUEUE = 99   # a checkpoint was saved on a warning (USR2/USR1): requeue, 
 EXIT_STOPPED = 98   # stopped on request (TERM/INT: scancel, `hpcrl cancel`, Ctrl-C) after saving a checkpoint
 EXIT_REFUSED = 97   # refused to start (the run directory is held, or would be overwritten): nothing to retry
 # "1" in a restarted world's environment (a failure's restart by `hpcrl run` or the batch script, a Slurm
-# requeue): where nothing can be resumed yet (it failed before the first checkpoint) it starts over from step 0,
-# as --restart does, instead of refusing; its metrics move to metrics.superseded.jsonl
+# requeue): where no checkpoint was written yet (it failed before the first) it starts over from step 0, as
+# --restart does, instead of refusing; its metrics move to metrics.superseded.jsonl. Damaged checkpoints still refuse
 AUTOMATIC_RESTART_ENV = "HPCRL_AUTOMATIC_RESTART"
 EXIT_HUNG = 96      # a rank stopped answering (hung or dead) and the world was aborted: a failure to restart
 

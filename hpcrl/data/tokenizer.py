@@ -49,11 +49,12 @@ class CharTokenizer:
         core.decoder = decoders.Fuse()
         return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad, bos_token=bos, eos_token=eos)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text up to the first `<eos>`, special tokens dropped."""
+    def decode(self, ids: Sequence[int], until_stop: bool = True) -> str:
+        """Text up to the first `<eos>` (`until_stop`: a response; a prompt is read whole), special
+        tokens dropped."""
         chars = []
         for token in ids:
-            if token in self.stop_token_ids:
+            if until_stop and token in self.stop_token_ids:
                 break
             if token >= len(SPECIAL_TOKENS):
                 chars.append(self.vocab[token])
@@ -107,10 +108,12 @@ class HFTokenizer:
         """One token as the chat template writes it (`<|eot_id|>`, `<|im_end|>`)."""
         return self._tok.decode([token], skip_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text up to the first stop token, special tokens dropped."""
+    def decode(self, ids: Sequence[int], until_stop: bool = True) -> str:
+        """Text up to the first stop token (`until_stop`: a response; a chat prompt holds an end of
+        turn after every message and is read whole), special tokens dropped."""
         ids = list(ids)
-        end = next((i for i, token in enumerate(ids) if token in self.stop_token_ids), len(ids))
+        end = len(ids) if not until_stop else next(
+            (i for i, token in enumerate(ids) if token in self.stop_token_ids), len(ids))
         return self._tok.decode(ids[:end], skip_special_tokens=True)
 
 

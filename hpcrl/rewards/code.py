@@ -3,8 +3,10 @@
 The reference is JSON in one of three forms, each may add {"setup": "code run first"}:
 - asserts, {"tests": ["assert f(1) == 2", ...]}: the program runs once, then each assert in its namespace;
 - standard input and output, as APPS, CodeContests, TACO and LiveCodeBench give them, {"inputs":
-  ["1 2\\n", ...], "outputs": ["3\\n", ...]}: the program runs once per test as __main__, sys.stdin
-  and sys.stdout text over bytes (so .buffer works too), SystemExit with code 0 or None a normal end;
+  ["1 2\\n", ...], "outputs": ["3\\n", ...]} (an input or output given as a list of lines is
+  joined): the program runs once per test as __main__, sys.stdin and sys.stdout text over bytes (so
+  .buffer works too) and file descriptor 0 on the input (open(0)), SystemExit with code 0 or None a
+  normal end;
   the output matches as verl's prime_code (APPS's checker) compares, simplified: lines equal once
   trailing whitespace and trailing blank lines go, else token by token, where tokens that are not
   both integers may be numbers within numpy.allclose's tolerance (relative 1e-5, absolute 1e-8);
@@ -40,7 +42,8 @@ import io, json, os, sys
 
 def main(marker, form, tests, function=None, *, exec=exec, write=os.write, sys=sys, BytesIO=io.BytesIO,
          TextIOWrapper=io.TextIOWrapper, getattr=getattr, isinstance=isinstance, list=list, tuple=tuple,
-         float=float, abs=abs, len=len, zip=zip, all=all):
+         float=float, abs=abs, len=len, zip=zip, all=all, os_open=os.open, dup2=os.dup2, lseek=os.lseek,
+         close=os.close, new_file=os.O_RDWR | os.O_CREAT | os.O_TRUNC):
     # the defaults are what runs after the program: taken now, before it can replace them
     def report(outcome):
         write(1, ("\\n" + marker + outcome + "\\n").encode())
@@ -62,6 +65,12 @@ def main(marker, form, tests, function=None, *, exec=exec, write=os.write, sys=s
     def piped(program, namespace, test):
         given, expected = test
         printed = BytesIO()
+        held = os_open("/tmp/.stdin", new_file, 0o600)   # file descriptor 0 too: open(0).read() reads the input
+        write(held, given.encode())
+        lseek(held, 0, 0)
+        if held != 0:   # 0 itself when the last test's open(0) closed it
+            dup2(held, 0)
+            close(held)
         sys.stdin = TextIOWrapper(BytesIO(given.encode()), encoding="utf-8")
         sys.stdout = stdout = TextIOWrapper(printed, encoding="utf-8")
         try:
@@ -134,7 +143,13 @@ def _harness_task(task: dict | list) -> dict:
     tests = [[given, expected] for given, expected in zip(task["inputs"], task["outputs"], strict=True)]
     if task.get("fn_name"):   # datasets leave it empty or null for stdin tests
         return {"form": "call", "tests": tests, "function": task["fn_name"]}
-    return {"form": "stdin", "tests": tests}
+    return {"form": "stdin", "tests": [[_lines(given), _lines(expected)] for given, expected in tests]}
+
+
+def _lines(text: str | list) -> str:
+    """A stdin test's input or output: APPS and TACO give some as lists of lines (joined, as verl's
+    prime_code joins them)."""
+    return "\n".join(map(str, text)) if isinstance(text, list) else text
 
 
 def code_reward(response: Response, reference: str, wall_s: float = 10.0, cpu_s: int = 5,

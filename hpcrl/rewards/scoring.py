@@ -101,7 +101,7 @@ def score_batch(tokenizer, responses: Ragged, references: Sequence[str], domains
         if prompt_rows is not None:
             key = prompt_rows[i].tobytes()
             if key not in prompt_texts:
-                prompt_texts[key] = tokenizer.decode(prompt_rows[i].tolist())
+                prompt_texts[key] = tokenizer.decode(prompt_rows[i].tolist(), until_stop=False)
             prompt = prompt_texts[key]
         return Response(tokenizer.decode(ids.tolist()), len(ids) > 0 and int(ids[-1]) in tokenizer.stop_token_ids,
                         prompt)

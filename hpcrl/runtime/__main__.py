@@ -181,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             from hpcrl.config.constants import AUTOMATIC_RESTART_ENV
             from hpcrl.runtime.checkpointing import RefusedError
 
-            restart = args.restart or os.environ.get(AUTOMATIC_RESTART_ENV) == "1"
-            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, restart,
-                                    args.allow_config_change)
+            controller = Controller(job, layout, tokenizer, Path(args.run_dir), PREEMPTION, args.restart,
+                                    args.allow_config_change, os.environ.get(AUTOMATIC_RESTART_ENV) == "1")
             startup.mark("controller built")
             try:
                 code = controller.run()

@@ -84,17 +84,21 @@ class Checkpointer:
         problems = [p for p in run(self.everyone, "check_files", Dispatch.ONE_TO_ALL, str(path), checks) if p]
         return problems[0] if problems else None
 
-    def restore(self, allowed_changes: Sequence[str] = (), restart: bool = False) -> RunState | None:
+    def restore(self, allowed_changes: Sequence[str] = (), restart: bool = False,
+                automatic: bool = False) -> RunState | None:
         """Load the newest valid checkpoint into every rank; None for a fresh start. With no valid
         checkpoint over a run that already has metrics or checkpoints, refuse (RefusedError) unless
-        `restart`: starting over would bury the evidence of what went wrong."""
+        `restart`: starting over would bury the evidence of what went wrong. `automatic` (a restart
+        after a failure or a requeue) starts over only where no checkpoint was written yet: damaged
+        ones still refuse, for a person to look at."""
         checkpoint = self.store.latest_valid(self.config_hash, config=self.config, allowed_changes=allowed_changes,
                                              deep_check=self._deep_check)
         for message in self.store.skipped + self.store.warnings:
             print(f"hpcrl: {message}", file=sys.stderr, flush=True)
         if checkpoint is None:
             evidence = self._evidence()
-            if evidence and not restart:
+            written = self.store.root.is_dir() and any(self.store.root.glob("step-*"))
+            if evidence and not (restart or (automatic and not written)):
                 raise RefusedError(f"{self.run_dir} holds a run ({evidence}) but no checkpoint it can resume from. "
                                    "Give --restart to start it over from step 0 (its metrics move to "
                                    "metrics.superseded.jsonl, damaged checkpoints stay as step-N.corrupt), or "

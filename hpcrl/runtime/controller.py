@@ -107,11 +107,13 @@ class _Logprobs:
 
 class Controller:
     def __init__(self, job: JobConfig, layout: WorldLayout, tokenizer, run_dir: Path, preemption: PreemptionSignal,
-                 restart: bool = False, allowed_changes: Sequence[str] = ()):
+                 restart: bool = False, allowed_changes: Sequence[str] = (), automatic_restart: bool = False):
         """`restart`: start over from step 0 when no checkpoint can be resumed although the run
-        directory holds a run; `allowed_changes`: job fields that may differ from the checkpoint's."""
+        directory holds a run; `automatic_restart`: this world restarts a failed or requeued one
+        (AUTOMATIC_RESTART_ENV), which starts over only before the first checkpoint;
+        `allowed_changes`: job fields that may differ from the checkpoint's."""
         self.job = job
-        self.restart = restart
+        self.restart, self.automatic_restart = restart, automatic_restart
         self.allowed_changes = tuple(allowed_changes)
         self.tokenizer = tokenizer
         self.run_dir = run_dir
@@ -647,7 +649,7 @@ class Controller:
     def _restore(self) -> None:
         for role in ("actor_train", "critic"):   # load_state writes into the engines' state on their devices
             self.residency.need(role, "train")
-        state = self.checkpointer.restore(self.allowed_changes, self.restart)
+        state = self.checkpointer.restore(self.allowed_changes, self.restart, self.automatic_restart)
         if state is None:
             return
         controller = state.controller
