@@ -39,8 +39,13 @@ class Checkpointer:
         self.config = job.model_dump(mode="json")
         self.config_hash = config_hash(self.config)
 
-    def _evidence(self) -> str:
-        """What the run directory holds of an earlier run (empty: nothing)."""
+    def _checkpoint_dirs(self) -> list[str]:
+        """The checkpoints ever written here, intact or set aside as step-N.corrupt."""
+        return sorted(p.name for p in self.store.root.glob("step-*")) if self.store.root.is_dir() else []
+
+    def _evidence(self, checkpoints: list[str]) -> str:
+        """What the run directory holds of an earlier run (empty: nothing), `checkpoints` its
+        `_checkpoint_dirs`."""
         from hpcrl.metrics import read_metrics
 
         found = []
@@ -50,9 +55,8 @@ class Checkpointer:
                 found.append(f"metrics of {len(read_metrics(metrics))} step(s)")
             except ValueError as exc:
                 found.append(f"metrics it cannot read: {exc}")
-        damaged = sorted(p.name for p in self.store.root.glob("step-*")) if self.store.root.is_dir() else []
-        if damaged:
-            found.append("checkpoints " + ", ".join(damaged))
+        if checkpoints:
+            found.append("checkpoints " + ", ".join(checkpoints))
         return "; ".join(found)
 
     def due(self, step: int) -> bool:
@@ -96,9 +100,9 @@ class Checkpointer:
         for message in self.store.skipped + self.store.warnings:
             print(f"hpcrl: {message}", file=sys.stderr, flush=True)
         if checkpoint is None:
-            evidence = self._evidence()
-            written = self.store.root.is_dir() and any(self.store.root.glob("step-*"))
-            if evidence and not (restart or (automatic and not written)):
+            checkpoints = self._checkpoint_dirs()
+            evidence = self._evidence(checkpoints)
+            if evidence and not (restart or (automatic and not checkpoints)):
                 raise RefusedError(f"{self.run_dir} holds a run ({evidence}) but no checkpoint it can resume from. "
                                    "Give --restart to start it over from step 0 (its metrics move to "
                                    "metrics.superseded.jsonl, damaged checkpoints stay as step-N.corrupt), or "
