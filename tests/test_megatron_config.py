@@ -88,7 +88,8 @@ def test_a_qwen_moe_with_dense_layers_is_refused():
 @pytest.mark.parametrize("change, parallel, message", [
     ({}, {"cp": 2}, "context parallelism needs Transformer Engine"),
     ({}, {"ep": 2, "dp": 2}, "ep = 2 splits the experts of a mixture-of-experts model, and this model is dense"),
-    ({}, {"tp": 4}, r"2 KV heads \(model.num_kv_heads\) do not split over tp = 4"),
+    ({"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 6}, {"tp": 4},
+     r"6 KV heads \(model.num_kv_heads\) neither split over tp = 4 nor share out evenly"),
     ({"vocab_size": 33}, {"tp": 2}, "model.vocab_size: 33 does not split evenly"),
     ({"hidden_act": "gelu"}, {}, "only SwiGLU"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, {}, "rope_type='yarn'"),

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
 WORLD = 5
 LAYOUTS = {  # name -> (parallel sizes, arch, tied embeddings, the role's world ranks)
     "tp2": ({"tp": 2}, "qwen2", False, [1, 2]),
+    "tp4": ({"tp": 4}, "qwen2", False, [1, 2, 3, 4]),   # 2 KV heads for 4 ranks: two share each query group
     "pp2": ({"pp": 2}, "llama", True, [1, 2]),
     "dp2": ({"dp": 2}, "qwen2", True, [1, 2]),
     "ep2": ({"ep": 2}, "qwen2_moe", False, [1, 2]),
@@ -83,7 +84,7 @@ def test_two_ppo_steps_match_the_torch_engine(findings, layout):
     if LAYOUTS[layout][1] in ("qwen2_moe", "qwen3_moe", "mixtral"):   # the routing, counted over every rank
         for key in ("moe_load_max", "moe_load_min") + (("moe_aux_loss",) if layout == "tp2moe" else ()):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-6, (key, found)
-    if layout in ("tp2", "pp2", "tp2moe"):  # with DP each replica reports its own shard's loss
+    if layout in ("tp2", "tp4", "pp2", "tp2moe"):  # with DP each replica reports its own shard's loss
         for key in ("loss", "entropy", "kl_loss", "clipfrac", "grad_norm"):
             assert abs(found["metrics"][key] - found["reference_metrics"][key]) < 1e-4, (key, found)
 

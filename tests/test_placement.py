@@ -467,8 +467,8 @@ REFUSED = [  # what an engine would refuse at start-up, given to `hpcrl plan`: (
     (SEVEN_B, ["roles.actor_train.parallel.cp=2"], "roles.actor_train.parallel.cp: cp = 2, but context parallelism"),
     (SEVEN_B, ["roles.actor_train.parallel.ep=2"], "roles.actor_train.parallel.ep: ep = 2 splits the experts of a "
      "mixture-of-experts model, and this model is dense"),
-    (SEVEN_B, ["roles.actor_train.parallel.tp=8", "roles.actor_train.parallel.dp=1"],
-     "roles.actor_train.parallel.tp: 4 KV heads (model.num_kv_heads) do not split over tp = 8"),
+    (SEVEN_B, ["model.num_kv_heads=7"],
+     "roles.actor_train.parallel.tp: 7 KV heads (model.num_kv_heads) neither split over tp = 4 nor share out"),
     (SEVEN_B, ["model.num_heads=14", "model.num_kv_heads=2"],
      "roles.actor_train.parallel.tp: 14 attention heads (model.num_heads) do not split over tp = 4"),
     (SEVEN_B, ["model.vocab_size=152063"], "model.vocab_size: 152063 does not split evenly over roles.actor_train"),

@@ -57,10 +57,11 @@ def round_trip(hf: dict, shape: GPTShape) -> dict:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2)])
 def test_each_rank_reads_just_its_slices_from_the_safetensors_files(tmp_path, tp, pp, tied):
     """What a Megatron rank reads with safetensors' get_slice is what slicing the whole converted
-    model gives it, tensor for tensor; and it never reads a whole sharded tensor."""
+    model gives it, tensor for tensor; and it never reads a whole sharded tensor. At tp 4 the
+    model's 2 KV heads are fewer than the ranks: two ranks share each query group's fused rows."""
     from safetensors.torch import save_file
 
     from hpcrl.engines.model_files import ModelFiles

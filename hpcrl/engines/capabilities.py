@@ -94,11 +94,12 @@ def parallel_refusals(role: str, engine: str, parallel: Mapping[str, int], dims:
         if dims.num_heads % tp:
             out.append(f"roles.{role}.parallel.tp: {dims.num_heads} attention heads (model.num_heads) do not split "
                        f"over tp = {tp}; use a tp that divides {dims.num_heads}")
-        kv_ok = dims.num_kv_heads % tp == 0 or (engine == "vllm" and tp % dims.num_kv_heads == 0)
-        if not kv_ok:
-            replicate = " (vLLM replicates them when tp is a multiple)" if engine == "vllm" else ""
-            out.append(f"roles.{role}.parallel.tp: {dims.num_kv_heads} KV heads (model.num_kv_heads) do not split "
-                       f"over tp = {tp}{replicate}; use a tp that divides {dims.num_kv_heads}")
+        # Both split the KV heads over tp, or share each head among tp / kv_heads ranks (vLLM
+        # replicates it; megatron-core gathers the fused QKV rows and takes its query heads' group).
+        if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
+            out.append(f"roles.{role}.parallel.tp: {dims.num_kv_heads} KV heads (model.num_kv_heads) neither split "
+                       f"over tp = {tp} nor share out evenly among its ranks; use a tp that divides "
+                       f"{dims.num_kv_heads} or a multiple of it")
     if tp > 1 and engine == "megatron" and any(width % tp for width in dims.mlp_widths):
         out.append(f"model: the MLP widths {list(dims.mlp_widths)} (intermediate_size, and a MoE model's "
                    f"moe_intermediate_size and shared_expert_intermediate_size) must split evenly over "

@@ -322,13 +322,16 @@ def read_stage_tensor(reader: TensorReader, local_name: str, shape: GPTShape, si
     prefix, rest = _hf_layer_prefix(name, "HF -> Megatron: no HF tensor for Megatron parameter")
     if rest.startswith(_QKV):
         kind = rest[len(_QKV):]
-        groups = shape.num_kv_heads // tp
-        q_rows = groups * (shape.num_heads // shape.num_kv_heads) * shape.head_dim
-        q = _rows(reader, f"{prefix}self_attn.q_proj.{kind}", q_rows, tp_rank, dtype)
-        k, v = (_rows(reader, f"{prefix}self_attn.{p}_proj.{kind}", groups * shape.head_dim, tp_rank, dtype)
-                for p in "kv")
-        local = GPTShape(shape.num_layers, shape.num_heads // tp, groups, shape.head_dim, shape.tied)
-        return _fuse_qkv(q, k, v, local)
+        # kv_heads >= tp: this rank's kv_heads/tp whole query groups. kv_heads < tp (megatron-core
+        # all-gathers the fused rows and picks its group): tp/kv_heads ranks share one group, each
+        # holding an equal run of its fused rows, as chunking the whole fused tensor gives.
+        groups, share = max(1, shape.num_kv_heads // tp), max(1, tp // shape.num_kv_heads)
+        first = tp_rank // share * groups
+        d, heads_per_group = shape.head_dim, shape.num_heads // shape.num_kv_heads
+        q, k, v = (reader.read(f"{prefix}self_attn.{p}_proj.{kind}", 0, first * rows, (first + groups) * rows, dtype)
+                   for p, rows in (("q", heads_per_group * d), ("k", d), ("v", d)))
+        local = GPTShape(shape.num_layers, groups * heads_per_group, groups, d, shape.tied)
+        return _fuse_qkv(q, k, v, local).chunk(share)[tp_rank % share].contiguous()
     ffn = sizes["shared_ffn"] if rest.startswith("mlp.shared_experts.") else sizes["ffn"]
     if rest in _GATE_UP:
         return torch.cat([_rows(reader, prefix + hf, ffn // tp, tp_rank, dtype) for hf in _GATE_UP[rest]], dim=0)

@@ -47,7 +47,8 @@ shards = tp*pp.
   expert outputs before their weighted sum) and 8E (fp32 router logits and probabilities),
   averaged with the dense layers' over the layers. With context parallelism (engine torch) a cp
   rank keeps 1/cp of it and of the response logits, plus the (cp-1)/cp of the keys and values it
-  gathers from the others (2*KV*b per token). Q, KV and I are split by tp; a pipeline stage holds
+  gathers from the others (2*KV*b per token). Q, KV and I are split by tp (KV at most down to one head
+  per rank: megatron-core shares a head among tp/kv_heads ranks); a pipeline stage holds
   layers / pp layers for the micro-batches in flight (1F1B: up to pp). train.recompute keeps only
   each layer's input (bH per token, for the micro-batches in flight) plus one layer's
   activations.
@@ -351,7 +352,8 @@ def micro_batches(job: JobConfig, parallel: Parallel, context: int, training: bo
 def _activation_per_token(shape: ModelShape, b: int, tp: int) -> float:
     """Bytes one decoder layer keeps for the backward, per token (see the module doc)."""
     h, q = shape.hidden_size, shape.num_heads * shape.head_dim
-    kv, i = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    # with fewer KV heads than tp ranks each rank still holds a whole head (megatron-core shares it)
+    kv, i = max(shape.num_kv_heads, tp) * shape.head_dim, shape.intermediate_size
     dense = b * (2 * h + (6 * q + 3 * kv + 4 * i) / tp) + 8 * h
     if not shape.moe_layers:
         return dense

@@ -62,6 +62,33 @@ def _route_as_transformers(model: torch.nn.Module) -> None:
             module.gating = types.MethodType(gating, module)
 
 
+def _share_kv_heads_in_the_roles_group(model: torch.nn.Module, tp_group) -> None:
+    """With fewer KV heads than TP ranks, megatron-core 0.16's attention all-gathers the fused QKV
+    rows and picks its query group with the global TP group and rank (parallel_state), ignoring
+    the model's `pg_collection`; a role's groups are not global here (hpcrl.engines.megatron.groups),
+    so the gather found no group. For that call only, the two names it uses take the role's TP
+    group; the all-gather's backward keeps the group it ran with."""
+    import functools
+    import types
+
+    from megatron.core.transformer import attention as megatron_attention
+
+    gather = functools.partial(megatron_attention.all_gather_last_dim_from_tensor_parallel_region, group=tp_group)
+    names = {"all_gather_last_dim_from_tensor_parallel_region": gather, "get_tensor_model_parallel_rank": tp_group.rank}
+
+    def qkv(attention, *args, **kwargs):
+        outside = {name: getattr(megatron_attention, name) for name in names}
+        vars(megatron_attention).update(names)
+        try:
+            return type(attention).get_query_key_value_tensors(attention, *args, **kwargs)
+        finally:
+            vars(megatron_attention).update(outside)
+
+    for module in model.modules():
+        if isinstance(module, megatron_attention.Attention) and module.config.num_query_groups < tp_group.size():
+            module.get_query_key_value_tensors = types.MethodType(qkv, module)
+
+
 def _mend_megatron_without_te() -> None:
     """megatron-core 0.16's router reads `te_general_gemm`, which its moe_utils defines only when
     Transformer Engine imports: without TE every MoE forward raised NameError. None is what the
@@ -100,6 +127,7 @@ def build_gpt_model(files: ModelFiles, pgc, seed: int, dtype: torch.dtype, recom
     model = GPTModel(config, layer_spec(config, config.num_layers // pp), pre_process=pp_rank == 0,
                      post_process=pp_rank == pp - 1, pg_collection=pgc, **gpt_model_kwargs(hf_config))
     _route_as_transformers(model)
+    _share_kv_heads_in_the_roles_group(model, pgc.tp)
     _mark_tensor_parallel(model)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     model.to(device)
