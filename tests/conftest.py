@@ -37,8 +37,10 @@ def run_mpi_program(compute, merge, out: Path, root: int = 0) -> None:
     on every rank, one thread each; `compute(rank)` on every rank (an exception is printed and aborts
     the world: the other ranks would wait in a collective forever); the ranks' results gathered to
     `root`, which writes `merge(results)` to `out` as JSON. Rank 0 hosts the rendezvous store, so
-    every rank waits for the others before leaving."""
+    every rank waits for the others before leaving. The ranks' temporary files go beside `out`, in
+    pytest's temporary directory, which pytest prunes (not in /tmp, run after run)."""
     import json
+    import tempfile
 
     import torch
     import torch.distributed as dist
@@ -48,6 +50,7 @@ def run_mpi_program(compute, merge, out: Path, root: int = 0) -> None:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    tempfile.tempdir = str(out.parent)
     torch.set_num_threads(1)
     init_torch_distributed("gloo")
     try:
