@@ -12,7 +12,8 @@ from conftest import REPO, random_files
 
 from hpcrl.engines.native_sampler import SamplingParams
 from hpcrl.ragged import Ragged
-from hpcrl.engines.vllm_engine import llm_kwargs, request_seeds, routed_row, sampled_tokens, vllm_sampling_kwargs
+from hpcrl.engines.vllm_engine import (llm_kwargs, request_seeds, routed_row, sampled_tokens, visible_devices,
+                                       vllm_sampling_kwargs)
 
 
 def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
@@ -23,6 +24,14 @@ def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
     assert vllm_sampling_kwargs(SamplingParams(7), seed=0, stop_ids=(2,), max_tokens=3)["max_tokens"] == 3, \
         "a continued response may add only what is left of its budget"
     assert vllm_sampling_kwargs(SamplingParams(4), seed=0, stop_ids=(2,))["top_k"] == -1, "0 means no cut: vLLM's -1"
+
+
+def test_vllm_workers_see_the_gpus_this_rank_numbers_as_its_replicas():
+    """Where Slurm leaves the node's own GPU ids in CUDA_VISIBLE_DEVICES (no cgroup confinement:
+    half a node is "4,5,6,7"), the replica's local positions 2, 3 are GPUs 6 and 7, not 2 and 3."""
+    assert visible_devices([2, 3], "4,5,6,7") == "6,7"
+    assert visible_devices([0, 1], "0,1,2,3") == "0,1"
+    assert visible_devices([1, 2], None) == "1,2", "nothing inherited: the positions are the ids"
 
 
 def test_request_seeds_are_a_function_of_the_generator_and_differ_per_prompt():

@@ -156,6 +156,14 @@ def _receive_into_worker(worker, plans: list[list[Meta]], digest: bool, model_ty
     return digests
 
 
+def visible_devices(positions: Sequence[int], inherited: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for vLLM's workers: the GPUs this process calls `positions` (indices
+    into the inherited list, which Slurm fills with the node's own GPU ids where it does not confine
+    the job's devices with cgroups, e.g. "4,5,6,7" for half a node)."""
+    ids = inherited.split(",") if inherited else [str(p) for p in range(max(positions) + 1)]
+    return ",".join(ids[p] for p in positions)
+
+
 class VLLMEngine:
     _request_ids = itertools.count()
 
@@ -171,7 +179,7 @@ class VLLMEngine:
         routing (algorithm.router_replay)."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if tensor_parallel_size == 1 and alone:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # collective_rpc ships the functions above by reference to vLLM's worker processes
