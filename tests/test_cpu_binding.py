@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mpi_findings, run_mpi_program
 
-from hpcrl.runtime.mpi_world import worker_cores
+from hpcrl.runtime.mpi_world import sharing_ranks, worker_cores
 
 CORES = sorted(os.sched_getaffinity(0))
 
@@ -26,6 +26,16 @@ def test_a_worker_takes_an_equal_share_of_the_cores_or_none_when_workers_outnumb
     assert worker_cores(1, 2, (0, 1, 2, 3, 4)) == (2, 3)
     assert worker_cores(2, 3, (4, 5, 6)) == (6,)
     assert worker_cores(0, 3, (0, 1)) is None
+
+
+def test_a_ranks_threads_share_its_cores_only_with_the_ranks_that_may_run_on_them():
+    """set_cpu_threads divides a rank's cores by this count: under srun --cpus-per-task=8 each rank
+    is bound to 8 cores of its own and keeps 8 threads (it divided them by the 9 ranks of the node,
+    1 thread each); under mpiexec every rank of a host may run on every core."""
+    own = [("node0", tuple(range(8 * i, 8 * i + 8))) for i in range(9)] + [("node1", tuple(range(8)))]
+    assert sharing_ranks(own, "node0", tuple(range(8))) == 1
+    shared = [("node0", (0, 1))] * 4 + [("node1", (0, 1))]
+    assert sharing_ranks(shared, "node0", (0, 1)) == 4
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="two workers need two cores to be bound")

@@ -69,6 +69,19 @@ def test_golden_scripts(case):
                                       "regenerate with HPCRL_UPDATE_GOLDEN=1 and review the diff")
 
 
+def test_srun_with_pmix_is_refused_where_the_ranks_mpich_speaks_none(tmp_path):
+    """The pip MPICH (hpcrl's MPI) aborts in MPI_Init under srun --mpi=pmix, given PMIx's variables
+    as Slurm's pmix plugin sets them; every rank would die, and the script requeue the job."""
+    launched = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True,
+                              env={**os.environ, "PMIX_NAMESPACE": "slurm.pmix.1.0", "PMIX_RANK": "0"}, timeout=120)
+    assert launched.returncode != 0 and "PMIx" in launched.stderr, launched
+    profile = (REPO / "clusters/example-4x8-h100.yaml").read_text()
+    (tmp_path / "pmix.yaml").write_text(re.sub(r"\n  mpi: pmi2[^\n]*", "\n  mpi: pmix", profile))
+    with pytest.raises(ConfigError, match=r"pmix.yaml: slurm.mpi: pmix, but the ranks' MPI \(MPICH [0-9.]+, from "
+                                          r".*aborts in MPI_Init under srun --mpi=pmix; set mpi: pmi2"):
+        prepare_submission("jobs/qwen2.5-7b-grpo.yaml", tmp_path / "pmix.yaml", cwd=REPO, run_dir=tmp_path / "run")
+
+
 @pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
 def test_rendered_scripts_are_valid_bash(case, tmp_path):
     script = tmp_path / "job.sbatch"

@@ -206,6 +206,24 @@ def _mpiexec_for(python: str, configured: str | None) -> str:
     return "mpiexec"
 
 
+def _pmi_refusals(profile: ClusterProfile, python: str) -> list[str]:
+    """srun --mpi=pmix hands the ranks PMIx, which an MPICH built without it (the pip mpich wheel,
+    hpcrl's own MPI) refuses in MPI_Init: every rank would abort, and the script requeue the job to
+    abort again. Checked where the ranks' interpreter is here to ask (not in a container)."""
+    slurm = profile.slurm
+    if slurm.launcher != "srun" or slurm.mpi != "pmix" or slurm.container_image or not Path(python).is_file():
+        return []
+    probe = subprocess.run([python, "-c", "import mpi4py; mpi4py.rc.initialize = False\n"
+                            "from mpi4py import MPI; print(MPI.Get_library_version())"],
+                           capture_output=True, text=True, timeout=120)
+    library = probe.stdout
+    if probe.returncode or "MPICH" not in library or "pmix" in library.lower():
+        return []
+    return [f"slurm.mpi: pmix, but the ranks' MPI (MPICH {library.splitlines()[0].split(':', 1)[-1].strip()}, "
+            f"from {python}) was built without PMIx and aborts in MPI_Init under srun --mpi=pmix; "
+            "set mpi: pmi2"]
+
+
 def _same_layout(plans: Sequence[Plan], tasks: Sequence[SweepTask], source: str) -> None:
     first = (plans[0].world_size, ranks_per_node(plans[0]))
     for plan, task in zip(plans[1:], tasks[1:]):
@@ -252,6 +270,9 @@ def prepare_submission(job_path: str | Path, cluster_path: str | Path, overrides
     check_sbatch_path(run_root, "--run-dir")
     check_sbatch_path(cwd, "the working directory")
     python = profile.slurm.python or sys.executable
+    refused = _pmi_refusals(profile, python)
+    if refused:
+        raise ConfigError(str(cluster_path), refused)
     kind = "sweep" if sweep else "chain" if chain > 1 else "single"
     description = []
     if overrides:

@@ -129,7 +129,9 @@ class CheckpointEstimate:
 
     @property
     def too_slow(self) -> bool:
-        return self.window_s is not None and self.seconds > 0.8 * self.window_s
+        """The save starts only when the step in flight ends, and the batch script requeues a bit
+        before the time limit: a save that needs more than half the warning window may not fit."""
+        return self.window_s is not None and self.seconds > 0.5 * self.window_s
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,9 @@ def _checkpoint_line(plan: Plan) -> str:
     if c.window_s is not None:
         line += f"; the warning signal comes {c.window_s} s before the time limit"
     if c.too_slow:
-        line += (f"\nWARNING: the checkpoint may not be saved within the warning window: give the profile's "
-                 f"slurm.signal more seconds (e.g. B:USR2@{int(c.seconds * 1.5) + 60}), or checkpoint.every to save "
+        line += (f"\nWARNING: the checkpoint may not be saved within the warning window (it starts when the step "
+                 f"in flight ends): give the profile's slurm.signal more seconds (e.g. B:USR2@{int(c.seconds * 2) + 120}"
+                 "), or checkpoint.every to save "
                  f"regularly (checkpoint_write_gbps {c.gbps:g}: measure yours with bench/checkpoint_bench.py)")
     return line
 

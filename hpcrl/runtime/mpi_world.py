@@ -9,6 +9,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -265,10 +266,18 @@ def bind_workers_to_cores(bind: bool) -> None:
 
 
 def set_cpu_threads() -> None:
-    """Share the node's cores among the ranks on it, so oversubscribed ranks don't thrash. The count
-    depends only on cores and ranks per node, so a run computes the same under mpiexec and srun."""
+    """Share this rank's cores among the ranks of its host that may run on them too, so
+    oversubscribed ranks don't thrash: under mpiexec every rank may use every core (cores / ranks
+    each), under srun --cpus-per-task=N each has N of its own (N each, as OMP_NUM_THREADS=N in a
+    profile means). Either way a rank's count is its share of the cores, so a run on a host
+    computes the same under both launchers."""
     import torch
 
-    hosts = _hosts()
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, cores // hosts.count(socket.gethostname())))
+    placement = _placement()
+    here, mine = placement[COMM.Get_rank()]
+    torch.set_num_threads(max(1, len(mine) // sharing_ranks(placement, here, mine)))
+
+
+def sharing_ranks(placement: Sequence[tuple[str, tuple[int, ...]]], host: str, cores: tuple[int, ...]) -> int:
+    """How many ranks (this one among them) may run on `cores` of `host`."""
+    return sum(1 for other_host, theirs in placement if other_host == host and set(theirs) & set(cores))
