@@ -65,6 +65,11 @@ def deepspeed_config(job: JobConfig, stage: int, trainable: bool, buckets: dict 
     }
     if trainable and job.train.grad_clip is not None:
         config["gradient_clipping"] = job.train.grad_clip
+    if trainable and stage >= 2 and dtype == "bfloat16":
+        # DeepSpeed's defaults sum the micro-batches' gradients and reduce them over DP in bf16; the
+        # torch engines (FSDP2's reduce_dtype) and Megatron do both in fp32
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
     return config
 
 
@@ -138,9 +143,12 @@ class DeepSpeedTrainer(TorchTrainer):
             model.eval()
             optimizer = None
         with hooks_without_gather():
-            self.model, self.optimizer, _, _ = deepspeed.initialize(
+            self.model, wrapped, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, config=config, mpu=_DataParallelOnly(dp_group),
                 dist_init_required=False)
+        # a frozen engine gets a stand-in optimizer all the same (bf16: BF16_Optimizer over a
+        # DummyOptim; ZeRO-3: DeepSpeedZeRoOffload), with no state to move when the plan offloads it
+        self.optimizer = wrapped if trainable else None
 
     @torch.no_grad()
     def _build(self, files: ModelFiles, hf_config, config: dict) -> torch.nn.Module:
