@@ -108,8 +108,12 @@ def build(args: argparse.Namespace, rollout_kind: str):
     say(f"megatron engine built in {time.perf_counter() - started:.1f}s")
     started = time.perf_counter()
     if rollout_kind == "vllm":
+        # as in a job: vLLM's engine in its own process (a one-rank world would keep it in this one,
+        # where collective_rpc passes arguments untouched), CUDA graphs on
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         rollout = generation_engine("vllm")(files.path, DTYPES[job.model.dtype], tokenizer.stop_token_ids, job.seed,
-                                            gpu_memory_utilization=0.3, enforce_eager=True)
+                                            gpu_memory_utilization=0.3,
+                                            max_model_len=job.model.max_position_embeddings)
     else:
         rollout = generation_engine("native")(load_full(files, "float32", "cuda"), tokenizer.stop_token_ids,
                                               tokenizer.pad_token_id)
@@ -167,6 +171,8 @@ def run(args: argparse.Namespace, rollout_kind: str) -> None:
         advantages = grpo_advantages(torch.from_numpy(rewards).float(), groups).numpy()
         samples = Samples(prompt_ids, responses,
                           {"old_logprobs": old, "advantages": old.with_values(np.repeat(advantages, old.lengths))})
+        if rollout_kind == "vllm":   # colocated: vLLM sleeps while the trainer trains (level 1 keeps its weights)
+            rollout.sleep()
         started = time.perf_counter()
         metrics = trainer.train_step(samples, job.train.lr)
         train_s = time.perf_counter() - started
@@ -179,8 +185,12 @@ def run(args: argparse.Namespace, rollout_kind: str) -> None:
         staged.stage(trainer.named_weights(), step)
         stage_s = time.perf_counter() - started
         started = time.perf_counter()
+        if rollout_kind == "vllm":
+            rollout.wake()
         for bucket in staged.named():
             rollout.load_weights(bucket)
+        if rollout_kind == "vllm":
+            rollout.weights_loaded()
         torch.cuda.synchronize()
         sync_s = time.perf_counter() - started
         if rollout_kind == "native" and weights_digest(rollout.model.named_parameters()) != \

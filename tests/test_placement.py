@@ -421,6 +421,18 @@ def test_rejects_tp_group_crossing_nodes():
     assert "inside one node" in message
 
 
+def test_vllm_must_fit_one_sequence_of_the_whole_context_beside_its_weights():
+    """vLLM refuses to start when its pool cannot hold one sequence of the context it serves; the
+    plan refused only weights that filled the pool."""
+    fits = big(["rollout.gpu_memory_utilization=0.11"])
+    assert fits.roles["actor_infer"].parallel["tp"] == 2
+    message = rejects("rollout.gpu_memory_utilization: vLLM's share of a 80 GB device is 8.80 GB; the rollout weights "
+                      "take 7.09 GB per device and one sequence of the 32768 positions of the context 0.88 GB",
+                      load_job(BIG_JOB, ["rollout.gpu_memory_utilization=0.11", "model.max_position_embeddings=32768"]),
+                      load_profile(BIG_CLUSTER))
+    assert "cap the context with model.max_position_embeddings" in message
+
+
 def test_the_plan_estimates_the_checkpoint_and_warns_when_it_outlasts_the_warning_window():
     seven_b = big().checkpoint
     assert 90e9 < seven_b.bytes < 110e9, "7.6B params x (2 + 8 + 4) bytes"

@@ -3,6 +3,7 @@ generation against the native sampler where a GPU and vLLM exist."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,8 +13,8 @@ from conftest import REPO, random_files
 
 from hpcrl.engines.native_sampler import SamplingParams
 from hpcrl.ragged import Ragged
-from hpcrl.engines.vllm_engine import (llm_kwargs, request_seeds, routed_row, sampled_tokens, visible_devices,
-                                       vllm_sampling_kwargs)
+from hpcrl.engines.vllm_engine import (llm_kwargs, read_bucket, request_seeds, routed_row, sampled_tokens, stage_bucket,
+                                       visible_devices, vllm_sampling_kwargs)
 
 
 def test_sampling_params_translate_to_one_sample_with_its_logprob_and_no_text():
@@ -32,6 +33,21 @@ def test_vllm_workers_see_the_gpus_this_rank_numbers_as_its_replicas():
     assert visible_devices([2, 3], "4,5,6,7") == "6,7"
     assert visible_devices([0, 1], "0,1,2,3") == "0,1"
     assert visible_devices([1, 2], None) == "1,2", "nothing inherited: the positions are the ids"
+
+
+def test_a_colocated_sync_bucket_reaches_the_workers_through_a_file_in_shared_memory():
+    """collective_rpc delivers a tensor argument to vLLM's worker processes as a plain list (msgpack,
+    vLLM 0.32), so a bucket goes as a file the workers map: the same tensors in the same order,
+    views into one receive buffer and bf16 included; the file is gone afterwards."""
+    flat = torch.arange(40, dtype=torch.float32).to(torch.bfloat16)
+    bucket = [("model.layers.1.mlp.down_proj.weight", flat[:24].view(4, 6)), ("model.norm.weight", flat[24:32]),
+              ("model.embed_tokens.weight", flat[32:].view(2, 4))]
+    with stage_bucket(bucket) as path:
+        assert path.startswith("/dev/shm/")
+        read = read_bucket(path)
+    assert [name for name, _ in read] == [name for name, _ in bucket]
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, expected) for (_, t), (_, expected) in zip(read, bucket))
+    assert not Path(path).exists()
 
 
 def test_request_seeds_are_a_function_of_the_generator_and_differ_per_prompt():

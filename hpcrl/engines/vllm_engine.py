@@ -20,9 +20,12 @@ through host memory and `collective_rpc` instead.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import os
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,10 +115,36 @@ def routed_row(completion, prompt_length: int, dtype: type) -> np.ndarray:
     return np.asarray(routed).astype(dtype).reshape(-1)
 
 
-def _load_into_worker(worker, weights: list[tuple[str, torch.Tensor]], model_type: str) -> None:
-    """Runs inside each vLLM worker (collective_rpc): the model's own loader, which takes a hub
-    checkpoint's names (a MoE layer's experts one tensor each)."""
-    worker.model_runner.get_model().load_weights(weights=hub_tensors(weights, model_type))
+def _load_into_worker(worker, path: str, model_type: str) -> None:
+    """Runs inside each vLLM worker (collective_rpc): one staged bucket (`stage_bucket`), mapped
+    from its file, through the model's own loader, which takes a hub checkpoint's names (a MoE
+    layer's experts one tensor each)."""
+    worker.model_runner.get_model().load_weights(weights=hub_tensors(read_bucket(path), model_type))
+
+
+@contextlib.contextmanager
+def stage_bucket(weights: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
+    """A bucket of host tensors as a safetensors file in shared memory (/dev/shm where there is one),
+    for vLLM's worker processes to map: collective_rpc's own serialisation (msgpack between the
+    engine's processes, vLLM 0.32) delivers a tensor argument as a plain list, so only the path
+    goes through it. The file is gone once the block ends."""
+    from safetensors.torch import save_file
+
+    shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.NamedTemporaryFile(prefix="hpcrl-weights-", suffix=".safetensors", dir=shared) as staged:
+        # a clone each: views into one receive buffer share its storage, which safetensors refuses
+        save_file({name: tensor.detach().to("cpu").clone() for name, tensor in weights}, staged.name,
+                  metadata={"order": json.dumps([name for name, _ in weights])})
+        yield staged.name
+
+
+def read_bucket(path: str) -> list[tuple[str, torch.Tensor]]:
+    """A staged bucket's tensors, in the order they were given."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as staged:
+        names = json.loads(staged.metadata()["order"])
+        return [(name, staged.get_tensor(name)) for name in names]
 
 
 def _join_weight_groups(worker, groups: list[dict]) -> None:
@@ -170,13 +199,15 @@ class VLLMEngine:
     def __init__(self, model_dir: str | os.PathLike, dtype: torch.dtype, stop_ids: Sequence[int], seed: int,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.5, enforce_eager: bool = False,
                  sleep_level: int = 1, devices: Sequence[int] = (), filtered_sampling: bool = False,
-                 max_num_seqs: int | None = None, record_routing: bool = False):
+                 max_num_seqs: int | None = None, record_routing: bool = False, max_model_len: int | None = None):
         """Serve the HF model in `model_dir` (`model.path` or the run's random init), which vLLM
         loads itself. Alone in a one-rank world with TP = 1, vLLM runs in this process; otherwise
         its engine runs in child processes (their own torch.distributed world, TP workers on
         `devices`, the local GPU indices of this replica's ranks). `filtered_sampling`: the job samples
         with top-k or top-p (see the module doc). `record_routing`: generations carry a MoE model's
-        routing (algorithm.router_replay)."""
+        routing (algorithm.router_replay). `max_model_len`: the context the job serves (its
+        model.max_position_embeddings cap; default the model's own), which vLLM must fit one
+        sequence of into its pool to start."""
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if devices:  # vLLM's TP workers take the GPUs of this replica's ranks (set before vLLM starts them)
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -198,7 +229,8 @@ class VLLMEngine:
         self.model_type = config.model_type
         self.routing_dtype = index_dtype(routed_experts(config)) if record_routing else None
         self.llm = vllm.LLM(**llm_kwargs(str(model_dir), tensor_parallel_size, dtype, seed, gpu_memory_utilization,
-                                         config.max_position_embeddings, enforce_eager, filtered_sampling,
+                                         max_model_len or config.max_position_embeddings, enforce_eager,
+                                         filtered_sampling,
                                          max_num_seqs, record_routing))
 
     def generate(self, prompts: Ragged, params: SamplingParams, generator: torch.Generator,
@@ -246,10 +278,10 @@ class VLLMEngine:
         return [latest.get(r) for r in ids]
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Hand host tensors to every worker (pickled through collective_rpc): the sync's buckets
-        when rollout shares its GPUs with the trainer. Each is cloned: a view
-        would pickle the whole receive buffer it lies in."""
-        self.llm.collective_rpc(_load_into_worker, args=([(name, t.clone()) for name, t in weights], self.model_type))
+        """Hand host tensors to every worker through shared memory (`stage_bucket`): the sync's
+        buckets when rollout shares its GPUs with the trainer."""
+        with stage_bucket(weights) as path:
+            self.llm.collective_rpc(_load_into_worker, args=(path, self.model_type))
 
     def weights_loaded(self) -> None:
         """After the last bucket of a sync: cached KV blocks were computed with the old weights."""

@@ -37,7 +37,8 @@ from hpcrl.engines.capabilities import (MODEL_PARALLEL, ModelDims, megatron_mode
                                        role_refusals)
 from hpcrl.placement.errors import PlacementError
 from hpcrl.placement.memory import (DTYPE_BYTES, GENERATION_ROLES, GIB, TRAINING_ROLES, MemoryEstimate, ModelShape,
-                                    count_parameters, device_bytes, estimate_role_memory, hf_config, human_bytes)
+                                    count_parameters, device_bytes, estimate_role_memory, hf_config, human_bytes,
+                                    kv_bytes_per_token)
 from hpcrl.placement.plan import (CONSUMPTION, PRODUCTION, STAGES, CheckpointEstimate, Plan, RolePlan, StagePlan,
                                   kept_residency, resident_roles, residency_windows)
 from hpcrl.placement.rank_groups import megatron_groups
@@ -486,17 +487,23 @@ def _host_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str, 
     return filled
 
 
-def _check_vllm_pool(job: JobConfig, memory: dict[str, MemoryEstimate], profile: ClusterProfile) -> None:
-    """vLLM must fit the weights (and some KV cache) into its share of the device."""
+def _check_vllm_pool(job: JobConfig, memory: dict[str, MemoryEstimate], profile: ClusterProfile,
+                     shape: ModelShape, parallel: Parallel | None) -> None:
+    """vLLM must fit the weights and the KV cache of one sequence of the whole context into its
+    share of the device: it refuses to start otherwise (its own check, at the context it serves)."""
     infer = memory.get("actor_infer")
-    if infer is None or job.engine("actor_infer") != "vllm":
+    if infer is None or parallel is None or job.engine("actor_infer") != "vllm":
         return
     pool = job.rollout.gpu_memory_utilization * profile.device_memory_gb
-    if infer.part("weights") / GIB >= 0.9 * pool:
+    weights = infer.part("weights") / GIB
+    one_sequence = kv_bytes_per_token(job, shape, parallel) * shape.max_position_embeddings / GIB
+    if weights + one_sequence >= 0.9 * pool:
         raise PlacementError(
             f"rollout.gpu_memory_utilization: vLLM's share of a {profile.device_memory_gb:g} GB device is "
-            f"{pool:.2f} GB, and the rollout weights alone are {infer.part('weights') / GIB:.2f} GB per device: no "
-            "room for a KV cache. Fix: raise rollout.gpu_memory_utilization or roles.actor_infer.parallel.tp")
+            f"{pool:.2f} GB; the rollout weights take {weights:.2f} GB per device and one sequence of the "
+            f"{shape.max_position_embeddings} positions of the context {one_sequence:.2f} GB of KV cache, which vLLM "
+            "must fit to start. Fix: raise rollout.gpu_memory_utilization or roles.actor_infer.parallel.tp, or cap "
+            "the context with model.max_position_embeddings")
 
 
 def _check_batches(job: JobConfig, roles: dict[str, _Role]) -> None:
@@ -543,7 +550,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb,
                                          shared_weights=shared_weights)
               for name, role in roles.items()}
-    _check_vllm_pool(job, memory, profile)
+    _check_vllm_pool(job, memory, profile, shape, roles["actor_infer"].parallel if "actor_infer" in roles else None)
     stages = _stage_plans(job, roles, slots, memory, shared_weights, profile.device_memory_gb)
     stages = _check_memory(job, stages, slots, memory, roles, shape, profile)
     stages = _host_memory(job, stages, slots, memory, roles, shape, profile)

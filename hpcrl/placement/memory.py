@@ -293,10 +293,15 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def kv_bytes_per_token(job: JobConfig, shape: ModelShape, parallel: Parallel) -> int:
+    """Keys and values of one position on one device of a generation replica."""
+    return (2 * math.ceil(shape.num_layers / parallel.pp) * math.ceil(shape.num_kv_heads / parallel.tp)
+            * shape.head_dim * DTYPE_BYTES[job.model.dtype])
+
+
 def kv_cache_bytes(job: JobConfig, shape: ModelShape, parallel: Parallel) -> int:
     """KV cache of the rollout sequences one generation replica holds at once (see the module doc)."""
-    per_token = (2 * math.ceil(shape.num_layers / parallel.pp) * math.ceil(shape.num_kv_heads / parallel.tp)
-                 * shape.head_dim * DTYPE_BYTES[job.model.dtype])
+    per_token = kv_bytes_per_token(job, shape, parallel)
     sequences = math.ceil(job.train.prompts_per_step * job.algorithm.group_size / parallel.dp)
     if job.rollout.max_num_seqs is not None:   # both engines decode at most this many at once
         sequences = min(sequences, job.rollout.max_num_seqs)

@@ -26,6 +26,7 @@ from hpcrl.rollout.episodes import play
 from hpcrl.rollout.multi_turn import MultiTurnRollout, multi_turn_rollout
 from hpcrl.envs import EnvSpec
 from hpcrl.envs.host import EnvPool
+from hpcrl.placement.memory import ModelShape
 from hpcrl.runtime.env_workers import RemoteEnvPool, serve_round
 from hpcrl.runtime.faults import behaviour_shift, decode_delay_s
 from hpcrl.runtime.interrupts import round_stop
@@ -233,7 +234,8 @@ class ActorInfer(Resident):
                                                   devices=ctx.replica_devices,
                                                   filtered_sampling=job.rollout.top_p < 1 or job.rollout.top_k > 0,
                                                   max_num_seqs=job.rollout.max_num_seqs,
-                                                  record_routing=job.algorithm.router_replay)
+                                                  record_routing=job.algorithm.router_replay,
+                                                  max_model_len=ModelShape.from_model(job.model).max_position_embeddings)
         rollout = job.rollout
         self.params = SamplingParams(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
         self.episodes: MultiTurnRollout | None = None   # an env job's, built at its first round
