@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             # the trainer first: a rollout that samples with its weights takes them from it
             for name in sorted(layout.roles_on(rank), key=lambda role: role != "actor_train"):
                 replica = layout.roles[name].replica_of(rank)
+                if name == "actor_infer" and name in groups.replica:
+                    # vLLM's TP workers start on the GPUs of the replica's other ranks: the roles
+                    # built there first must have moved off (vLLM checks the free memory as it starts)
+                    dist.barrier(group=groups.replica[name][0])
                 ctx = RoleContext(job, tokenizer, weights, groups.dp.get(name), groups.dp_index[name], peers, device,
                                   groups.megatron.get(name), replica[0] == rank,
                                   tuple(layout.local_device[r] for r in replica),
