@@ -202,8 +202,10 @@ def test_status_reports_a_corrupt_line_in_the_middle_of_the_metrics(tmp_path):
 
 
 def test_only_unmapped_mpi_segments_are_removed(tmp_path):
+    """MPICH's segments, and a weight bucket a killed colocated vLLM rank had staged; nothing else."""
     mapped, left = tmp_path / "mpich_shm_mapped_0", tmp_path / "mpich_shm_left_0"
-    for path in (mapped, left):
+    staged, other = tmp_path / "hpcrl-weights-x1.safetensors", tmp_path / "someone-elses"
+    for path in (mapped, left, staged, other):
         path.write_bytes(b"\0" * 4096)
         os.utime(path, (time.time() - 10, time.time() - 10))
     holder = subprocess.Popen([sys.executable, "-c", f"import mmap, sys, time; f = open({str(mapped)!r}, 'r+b'); "
@@ -211,6 +213,6 @@ def test_only_unmapped_mpi_segments_are_removed(tmp_path):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "mapped"
-        assert stale_segments(tmp_path) == [left]
+        assert sorted(stale_segments(tmp_path)) == sorted([left, staged])
     finally:
         holder.kill()

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -124,13 +125,15 @@ def _load_into_worker(worker, path: str, model_type: str) -> None:
 
 @contextlib.contextmanager
 def stage_bucket(weights: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
-    """A bucket of host tensors as a safetensors file in shared memory (/dev/shm where there is one),
-    for vLLM's worker processes to map: collective_rpc's own serialisation (msgpack between the
+    """A bucket of host tensors as a safetensors file in shared memory (/dev/shm where it has room;
+    a container's may hold 64 MB, less than one large tensor: then the temporary directory), for
+    vLLM's worker processes to map: collective_rpc's own serialisation (msgpack between the
     engine's processes, vLLM 0.32) delivers a tensor argument as a plain list, so only the path
-    goes through it. The file is gone once the block ends."""
+    goes through it. The file is gone once the block ends (or, after a kill, by hpcrl.launch.shm)."""
     from safetensors.torch import save_file
 
-    shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    size = sum(tensor.nelement() * tensor.element_size() for _, tensor in weights)
+    shared = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * size + 2**26 else None
     with tempfile.NamedTemporaryFile(prefix="hpcrl-weights-", suffix=".safetensors", dir=shared) as staged:
         # a clone each: views into one receive buffer share its storage, which safetensors refuses
         save_file({name: tensor.detach().to("cpu").clone() for name, tensor in weights}, staged.name,

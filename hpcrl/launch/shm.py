@@ -1,4 +1,5 @@
-"""Shared-memory segments that MPI leaves behind when a world ends abnormally, and their removal.
+"""Shared-memory segments that MPI (and a colocated vLLM's weight staging) leaves behind when a world
+ends abnormally, and their removal.
 
 MPICH keeps its intra-node buffers in /dev/shm/mpich_shm_* and unlinks them in MPI_Finalize; a rank
 that is killed or aborts never gets there, and each such end leaves 1-5 MB in RAM-backed /dev/shm
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
-PREFIXES = ("mpich_shm_",)
+PREFIXES = ("mpich_shm_", "hpcrl-weights-")   # MPICH's segments; a weight bucket staged for vLLM (vllm_engine)
 MIN_AGE_S = 1.0
 
 

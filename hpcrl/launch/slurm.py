@@ -207,9 +207,10 @@ def _mpiexec_for(python: str, configured: str | None) -> str:
 
 
 def _pmi_refusals(profile: ClusterProfile, python: str) -> list[str]:
-    """srun --mpi=pmix hands the ranks PMIx, which an MPICH built without it (the pip mpich wheel,
-    hpcrl's own MPI) refuses in MPI_Init: every rank would abort, and the script requeue the job to
-    abort again. Checked where the ranks' interpreter is here to ask (not in a container)."""
+    """srun --mpi=pmix hands the ranks PMIx, which the pip mpich wheel (hpcrl's own MPI, built
+    without it) refuses in MPI_Init: every rank would abort, and the script requeue the job to abort
+    again. Checked where the ranks' interpreter is here to ask (not in a container); a site's own
+    MPICH (Cray's, one built --with-pmix) is left to the site."""
     slurm = profile.slurm
     if slurm.launcher != "srun" or slurm.mpi != "pmix" or slurm.container_image or not Path(python).is_file():
         return []
@@ -217,7 +218,7 @@ def _pmi_refusals(profile: ClusterProfile, python: str) -> list[str]:
                             "from mpi4py import MPI; print(MPI.Get_library_version())"],
                            capture_output=True, text=True, timeout=120)
     library = probe.stdout
-    if probe.returncode or "MPICH" not in library or "pmix" in library.lower():
+    if probe.returncode or "pypi.org/p/mpich/" not in library or "pmix" in library.lower():
         return []
     return [f"slurm.mpi: pmix, but the ranks' MPI (MPICH {library.splitlines()[0].split(':', 1)[-1].strip()}, "
             f"from {python}) was built without PMIx and aborts in MPI_Init under srun --mpi=pmix; "

@@ -22,7 +22,7 @@ shards = tp*pp.
     plus the units gathered for compute (two decoder layers and the root's embedding and head,
     in b); with DDP (dp > 1) its gradient buckets (4P); with autocast (b = 2, no FSDP2) the
     weights' 16-bit copies (bP).
-  - deepspeed: weights bP, gradients bP, optimizer state 12P (fp32 master weights, also for an
+  - deepspeed: weights bP, gradients bP (4P from ZeRO-2: summed and reduced in fp32), optimizer state 12P (fp32 master weights, also for an
     fp32 model, and Adam) and 8P of step transients (AdamW over the flat fp32 partition); ZeRO
     divides the optimizer state and transients by dp (stage >= 1), the gradients (stage >= 2)
     and the weights (stage 3). ZeRO-3 steps its optimizer one sub-group at a time (two decoder
@@ -429,7 +429,8 @@ def _model_state(role: str, job: JobConfig, params: int, parallel: Parallel, sha
         zero = job.zero_stage(role)
         stepped = params if zero < 3 else max(2 * layer_parameters(shape), shape.vocab_size * shape.hidden_size)
         return [("weights", math.ceil(params * b / (dp if zero >= 3 else 1))),
-                ("grads", math.ceil(params * b / (dp if zero >= 2 else 1))),
+                # partitioned (zero >= 2) 16-bit gradients are summed and reduced in fp32 (deepspeed_config)
+                ("grads", math.ceil(params * (4 if zero >= 2 else b) / (dp if zero >= 2 else 1))),
                 ("master+Adam", math.ceil(params * 12 / (dp if zero >= 1 else 1))),
                 ("step transients", math.ceil(stepped * (8 if zero < 3 else 12) / (dp if zero >= 1 else 1)))
                 ] + gathered

@@ -202,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
             sources = [(s, None if src == rank else groups.sync[s], src) for s, src in enumerate(sync.sources)
                        ] if rank in sync.loaders else []
             envs = _env_assignment(layout, rank)
-            # the trainer first: a rollout that samples with its weights takes them from it
-            for name in sorted(layout.roles_on(rank), key=lambda role: role != "actor_train"):
+            # the trainer first (a rollout that samples with its weights takes them from it), the
+            # rollout last (vLLM sizes its pool by the device memory the other roles left free)
+            for name in sorted(layout.roles_on(rank), key=lambda role: (role != "actor_train", role == "actor_infer")):
                 replica = layout.roles[name].replica_of(rank)
                 if name == "actor_infer" and name in groups.replica:
                     # vLLM's TP workers start on the GPUs of the replica's other ranks: the roles
-                    # built there first must have moved off (vLLM checks the free memory as it starts)
+                    # built there must have moved off (vLLM checks the free memory as it starts)
                     dist.barrier(group=groups.replica[name][0])
                 ctx = RoleContext(job, tokenizer, weights, groups.dp.get(name), groups.dp_index[name], peers, device,
                                   groups.megatron.get(name), replica[0] == rank,

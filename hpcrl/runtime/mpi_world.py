@@ -275,6 +275,9 @@ def set_cpu_threads() -> None:
 
     placement = _placement()
     here, mine = placement[COMM.Get_rank()]
+    if not mine:   # no affinity masks on this platform: the host's cores, shared by its ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // [host for host, _ in placement].count(here)))
+        return
     torch.set_num_threads(max(1, len(mine) // sharing_ranks(placement, here, mine)))
 
 
