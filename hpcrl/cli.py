@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a run's trained policy as a Hugging Face model directory",
                             description="Read the newest verified checkpoint of RUN_DIR (or step N) of any engine "
                             "(torch DCP at any DP size, DeepSpeed ZeRO, Megatron TP/PP shards) and write config.json, "
-                            "model.safetensors, the tokenizer and generation_config.json to DIR: what transformers "
+                            "model.safetensors (5 GB shards and an index for a larger model), the tokenizer and "
+                            "generation_config.json to DIR, tensor by tensor: what transformers "
                             "and vLLM load.")
     export.add_argument("run_dir", help="the run directory, e.g. runs/tiny-grpo")
     export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")

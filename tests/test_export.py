@@ -58,3 +58,31 @@ def test_export_names_the_checkpoints_it_has(tmp_path):
     assert missing.returncode == 2 and "no step-7 (checkpoints here: 2)" in missing.stderr
     not_a_run = hpcrl("export", str(tmp_path), "--out", str(tmp_path / "hf"))
     assert not_a_run.returncode == 2 and "no job.yaml" in not_a_run.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+def test_a_model_too_large_for_one_file_is_written_in_shards_that_transformers_loads_strictly(tmp_path, arch):
+    """What `hpcrl export` (and every model hpcrl writes) uses: tensor by tensor into files of at
+    most the shard size, with transformers' index; experts one tensor each, as the hub stores them."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.config.job import JobConfig
+    from hpcrl.data import CharTokenizer
+    from hpcrl.engines.hf_model import random_model
+    from hpcrl.engines.model_files import ModelFiles, write_model
+
+    experts = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 16} if arch == "qwen2_moe" else {}
+    job = JobConfig.model_validate({"name": "shards", "task": {"name": "addition"},
+                                    "model": {"arch": arch, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                              "num_kv_heads": 2, "intermediate_size": 48, **experts},
+                                    "roles": {"actor_train": {}, "actor_infer": {}}})
+    model = random_model(job.model, CharTokenizer(), seed=3)
+    write_model(model.config, type(model).__name__, model.named_parameters(), tmp_path, shard_bytes=16_000)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
+    assert not list(tmp_path.glob("*.partial"))
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    assert weights_digest(loaded.named_parameters()) == weights_digest(model.named_parameters())
+    files = ModelFiles(tmp_path)
+    assert len(files.names()) >= len(dict(model.named_parameters()))

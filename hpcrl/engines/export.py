@@ -8,7 +8,8 @@ One process, no MPI, no GPU: each engine's files are read as they were written.
   converted to HF names by the same functions the weight sync uses (engines/resharding.py).
 The weights are written in the job's dtype, as the trainer hands them to rollout, so the export's
 digest is the trainer's (`log.check_weights`). The directory holds what transformers and vLLM
-load: config.json, model.safetensors, the tokenizer (the character tokenizer as a tokenizer.json)
+load: config.json, model.safetensors (5 GB shards and their index for a larger model), the tokenizer
+(the character tokenizer as a tokenizer.json)
 and generation_config.json with the job's sampling settings.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from hpcrl.config.job import JobConfig
 from hpcrl.engines.hf_model import DTYPES
-from hpcrl.engines.model_files import ModelFiles, load_full, model_dir, save_model
+from hpcrl.engines.model_files import ModelFiles, empty_model, load_full, model_dir, write_model
 
 Named = tuple[str, torch.Tensor]
 
@@ -36,9 +37,11 @@ def _torch_weights(files: ModelFiles, state: Path) -> Iterator[Named]:
 
 
 def _deepspeed_weights(state: Path) -> Iterator[Named]:
+    """Each parameter put together from the ZeRO partitions as it is asked for (lazy_mode)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    yield from get_fp32_state_dict_from_zero_checkpoint(str(state), tag="state").items()
+    for name, lazy in get_fp32_state_dict_from_zero_checkpoint(str(state), tag="state", lazy_mode=True).items():
+        yield name, lazy.contiguous()
 
 
 def _megatron_weights(files: ModelFiles, state: Path) -> Iterator[Named]:
@@ -85,22 +88,47 @@ def trained_weights(job: JobConfig, files: ModelFiles, checkpoint: Path) -> Iter
 
 
 def export_policy(job: JobConfig, run_dir: Path, checkpoint: Path, tokenizer, out: Path) -> Path:
-    """Write the policy of `checkpoint` to `out` as a HF model directory; returns `out`."""
+    """Write the policy of `checkpoint` to `out` as a HF model directory; returns `out`. Tensor by
+    tensor, in the job's dtype: host memory holds what the engine's reader needs and one output
+    file (model_files.write_model), not the whole model. Written beside `out`, which it replaces
+    only once complete."""
     files = ModelFiles(model_dir(job, run_dir))
-    dtype = DTYPES[job.model.dtype]
-    model = load_full(files, dtype)
-    weights = dict(trained_weights(job, files, checkpoint))
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"{checkpoint}: the checkpoint does not fit the model of {files.path}: missing "
-                           f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    skeleton = empty_model(files, DTYPES[job.model.dtype])   # the names and shapes, no storage
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    fitted = _fitted(trained_weights(job, files, checkpoint), skeleton,
+                     f"{checkpoint}: the checkpoint does not fit the model of {files.path}")
+    try:
+        write_model(skeleton.config, type(skeleton).__name__, fitted, partial)
+        _save_tokenizer(tokenizer, partial)
+        _generation_config(job, tokenizer).save_pretrained(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
-    save_model(model, out)
-    _save_tokenizer(tokenizer, out)
-    _generation_config(job, tokenizer).save_pretrained(out)
+    partial.rename(out)
     return out
+
+
+def _fitted(weights: Iterator[Named], skeleton: torch.nn.Module, problem: str) -> Iterator[Named]:
+    """`weights` in the model's dtype, checked against its parameters (a tied head is the
+    embedding, stored once): every one exactly once, with its shape."""
+    expected = {name: param for name, param in skeleton.named_parameters()}
+    tied = skeleton.config.tie_word_embeddings
+    seen, unexpected = set(), []
+    for name, tensor in weights:
+        if name == "lm_head.weight" and tied:
+            continue
+        param = expected.get(name)
+        if param is None or param.shape != tensor.shape or name in seen:
+            unexpected.append(f"{name} {tuple(tensor.shape)}")
+            continue
+        seen.add(name)
+        yield name, tensor.to(param.dtype)
+    missing = sorted(expected.keys() - seen)
+    if missing or unexpected:
+        raise RuntimeError(f"{problem}: missing {missing}, unexpected or misshapen {unexpected}")
 
 
 def _save_tokenizer(tokenizer, out: Path) -> None:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,18 +170,53 @@ def write_random_init(job: JobConfig, tokenizer, run_dir: Path) -> Path:
 
 
 def save_model(model: torch.nn.Module, path: Path) -> Path:
-    """`model` as a HF directory (config.json + one safetensors file; a tied head is stored once,
-    as HF stores it; experts one tensor each, as the hub stores them) that every engine, vLLM and
-    transformers can load."""
+    """`model` as a HF directory (see `write_model`; a tied head is stored once, as HF stores it)."""
+    return write_model(model.config, type(model).__name__, model.named_parameters(), path)
+
+
+SHARD_BYTES = 5 * 2**30   # transformers' default max_shard_size
+
+
+def write_model(config, architecture: str, named: Iterable[tuple[str, torch.Tensor]], path: Path,
+                shard_bytes: int = SHARD_BYTES) -> Path:
+    """A HF directory that every engine, vLLM and transformers can load, written tensor by tensor
+    as `named` yields them (transformers' names; experts go one tensor each, as the hub stores
+    them): config.json and safetensors files of at most `shard_bytes` (a larger tensor alone),
+    model.safetensors when one is enough, else model-0000i-of-0000n.safetensors and their index.
+    Host memory holds one file's tensors at a time: a 70B model is never whole in it."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = [type(model).__name__]   # vLLM picks its model class by this
-    model.config.save_pretrained(path)
-    tensors = {name: t.detach().contiguous()
-               for name, t in hub_tensors(model.named_parameters(), model.config.model_type)}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config.architectures = [architecture]   # vLLM picks its model class by this
+    config.save_pretrained(path)
+    where: dict[str, int] = {}
+    shard: dict[str, torch.Tensor] = {}
+    sizes: list[int] = []   # bytes of each file written
+    held = 0
+
+    def flush() -> None:
+        save_file(shard, path / f"shard-{len(sizes)}.partial", metadata={"format": "pt"})
+        sizes.append(held)
+        where.update(dict.fromkeys(shard, len(sizes) - 1))
+        shard.clear()
+
+    for name, tensor in hub_tensors(named, config.model_type):
+        nbytes = tensor.nelement() * tensor.element_size()
+        if shard and held + nbytes > shard_bytes:
+            flush()
+            held = 0
+        shard[name] = tensor.detach().contiguous()
+        held += nbytes
+    if shard or not sizes:
+        flush()
+    names = (["model.safetensors"] if len(sizes) == 1
+             else [f"model-{i + 1:05d}-of-{len(sizes):05d}.safetensors" for i in range(len(sizes))])
+    for i, name in enumerate(names):
+        os.replace(path / f"shard-{i}.partial", path / name)
+    if len(sizes) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": {n: names[i] for n, i in where.items()}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return path
 
 
