@@ -116,3 +116,25 @@ def test_a_run_that_cannot_resume_is_refused_once_and_not_retried(slurm_env, tmp
     assert "holds a run (metrics of 2 step(s)) but no checkpoint it can resume from" in log
     assert "the ranks refused to start" in log and "restart 1 of" not in log
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [1, 2], "the run's metrics are kept"
+
+
+def test_ranks_that_fail_before_mpi_joins_them_are_not_requeued_to_fail_again(slurm_env, tmp_path):
+    """A setup error (here the profile's interpreter has none of hpcrl's packages: every rank dies
+    importing it) would fail every restart the same way, each after a wait in the queue: the batch
+    script requeues only failures of ranks that MPI had joined (RUN_DIR/ranks/world-<job id>)."""
+    import yaml
+
+    profile = yaml.safe_load((Path(__file__).parent.parent / "clusters/slurm-local.yaml").read_text())
+    profile["slurm"]["python"] = "/usr/bin/python3"
+    cluster = tmp_path / "system-python.yaml"
+    cluster.write_text(yaml.safe_dump(profile))
+    run_dir = tmp_path / "run"
+    sets = [x for s in (*SETTINGS, "train.steps=4") for x in ("--set", s)]
+    result = hpcrl("submit", "jobs/tiny_grpo.yaml", "--cluster", str(cluster), "--run-dir", str(run_dir), *sets,
+                   env=slurm_environ(slurm_env), timeout=120)
+    job = re.search(r"submitted job (\d+)", result.stdout)
+    assert job, result.stdout + result.stderr
+    (info,) = wait_job(job.group(1), slurm_env, timeout=300, poll=0.5)
+    log = log_of(run_dir)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log
+    assert "No module named" in log and "before MPI joined them" in log and "restart 1 of" not in log, log

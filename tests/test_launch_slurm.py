@@ -9,7 +9,8 @@ Two kinds of test:
   on exit 99, restarts after failures, chain links), driven by a STAND-IN for `python -m hpcrl.runtime`:
   a small bash program given as the profile's `python`. It trains nothing: it behaves as the contract
   says the runtime behaves (checkpoint file, exit 99 on a requeue request, resume on restart), in a
-  second, so that the script's logic is tested in seconds and independently of the runtime's progress.
+  second, so that the script's logic is tested in seconds and independently of the runtime's progress
+  (the world marker included, RUN_DIR/ranks/world-<job id>).
 """
 from __future__ import annotations
 
@@ -191,6 +192,8 @@ rank=${PMI_RANK:-${SLURM_PROCID:-0}}   # hydra ranks inherit the SLURM_PROCID of
 restart=${SLURM_RESTART_COUNT:-0}
 link=${SLURM_ARRAY_TASK_ID:-0}
 cd "$run_dir" || exit 2
+# as the controller does once MPI has joined every rank: a later failure is worth a restart
+[ "$rank" = 0 ] && mkdir -p ranks && touch "ranks/world-$SLURM_JOB_ID"
 [ "$rank" = 0 ] && printf '%s\0' "${args[@]}" >argv
 printf '%s' "$HOSTILE" >"hostile.$rank"
 echo "rank $rank restart $restart link $link mode $STANDIN_MODE" >>standin.log

@@ -13,5 +13,9 @@ RANK_EXITS_DIR = "ranks"   # RUN_DIR/ranks/rank-N.exit.json: how a rank ended, b
 # RUN_DIR/ranks/refused-<Slurm job id>: the controller refused the start. srun gives the step the exit code of the
 # peers the abort killed (137, 143), not 97, so the batch script reads this to know a refusal from a failure.
 REFUSED_MARKER = "refused-"
+# RUN_DIR/ranks/world-<Slurm job id>: every rank started and MPI joined them (written by the controller). A step that
+# fails without it failed to start (an interpreter without hpcrl's packages, an MPI that cannot start under the
+# profile's srun --mpi): a setup error that a restart would repeat, so the batch script does not requeue it.
+WORLD_MARKER = "world-"
 # Elements of the fp32 log-softmax computed at once (engines/batch.py; the memory estimate counts it): 64 MB.
 LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 24

@@ -17,7 +17,7 @@ import jinja2
 from hpcrl.config import REPO_ROOT, ClusterProfile, ConfigError
 from hpcrl.config.cluster import SlurmSettings
 from hpcrl.config.constants import (AUTOMATIC_RESTART_ENV, EXIT_REFUSED, EXIT_REQUEUE, EXIT_STOPPED, RANK_EXITS_DIR,
-                                    REFUSED_MARKER)
+                                    REFUSED_MARKER, WORLD_MARKER)
 from hpcrl.launch.lock import TOKEN_ENV
 from hpcrl.placement import Plan
 
@@ -190,5 +190,5 @@ def render_script(spec: ScriptSpec) -> str:
         warning_lead_s=profile.slurm.warning_lead_s, requeue_deadline_s=requeue_deadline_s(profile.slurm, spec.kind),
         container_mounts=mounts, mpiexec=spec.mpiexec, command=shell_command(command), lock_token=spec.lock_token,
         lock_env=TOKEN_ENV, python=spec.python, rank_exits_dir=RANK_EXITS_DIR, refused_marker=REFUSED_MARKER,
-        restart_env=AUTOMATIC_RESTART_ENV,
+        world_marker=WORLD_MARKER, restart_env=AUTOMATIC_RESTART_ENV,
     )

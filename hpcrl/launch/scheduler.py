@@ -148,7 +148,8 @@ def read_events(run_dir: Path) -> list[dict]:
 
 
 _ACTION_STATE = {"finished": "COMPLETED", "finished-earlier": "COMPLETED", "next-link": "COMPLETED",
-                 "requeue": "REQUEUED", "restart": "REQUEUED", "failed": "FAILED", "stopped": "STOPPED",
+                 "requeue": "REQUEUED", "restart": "REQUEUED", "failed": "FAILED", "failed-to-start": "FAILED",
+                 "stopped": "STOPPED",
                  "refused": "REFUSED"}
 
 

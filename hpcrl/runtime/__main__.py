@@ -87,6 +87,17 @@ def _refuse(run_dir: Path, message: str) -> None:
     abort(message, EXIT_REFUSED)
 
 
+def _mark_world_formed(run_dir: Path) -> None:
+    """Under Slurm, RUN_DIR/ranks/world-<job id>: every rank started and MPI joined them, so a later
+    failure is one a restart may get past (the batch script requeues only those)."""
+    from hpcrl.config.constants import RANK_EXITS_DIR, WORLD_MARKER
+
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if job_id.isdigit():
+        (run_dir / RANK_EXITS_DIR).mkdir(parents=True, exist_ok=True)
+        (run_dir / RANK_EXITS_DIR / f"{WORLD_MARKER}{job_id}").touch()
+
+
 def _hold_run_dir(run_dir: Path) -> None:
     """The controller makes sure the run directory is this run's: `hpcrl run` and `hpcrl submit` took
     its lock for these ranks (their token is in the environment); a rank started by hand takes it
@@ -120,6 +131,7 @@ def _watch(job, layout, run_dir: Path):
 
     ranks = {r: RankInfo(host, pid, ",".join(layout.roles_on(r))) for r, (host, pid) in enumerate(everyone) if r}
     (run_dir / "ranks.json").write_text(json.dumps({str(r): vars(info) for r, info in ranks.items()}, indent=1))
+    _mark_world_formed(run_dir)
     watchdog = Watchdog(job.watchdog, ranks, run_dir, since=STARTED)
     install_watchdog(watchdog)
     return watchdog
