@@ -731,11 +731,13 @@ def test_zero_divides_optimizer_gradients_and_weights_by_dp():
         job = load_job(BIG_JOB, [*overrides, f"roles.actor_train.zero_stage={stage}"])
         totals[stage] = estimate_role_memory("actor_train", job, ModelShape.from_model(job.model),
                                              job.roles.actor_train.parallel)
-    p = totals[1].params  # bf16: weights 2 B, gradients 2 B, fp32 master weights and Adam 12 B per parameter
+    # bf16: weights 2 B, gradients 2 B (4 B partitioned from ZeRO-2: summed and reduced in fp32), fp32 master
+    # weights and Adam 12 B per parameter
+    p = totals[1].params
     state = {stage: sum(e.part(k) for k in ("weights", "grads", "master+Adam")) for stage, e in totals.items()}
     assert state[1] == 2 * p + 2 * p + math.ceil(12 * p / 8)
-    assert state[2] == 2 * p + math.ceil(2 * p / 8) + math.ceil(12 * p / 8)
-    assert state[3] == math.ceil(2 * p / 8) + math.ceil(2 * p / 8) + math.ceil(12 * p / 8)
+    assert state[2] == 2 * p + math.ceil(4 * p / 8) + math.ceil(12 * p / 8)
+    assert state[3] == math.ceil(2 * p / 8) + math.ceil(4 * p / 8) + math.ceil(12 * p / 8)
     assert len({e.part("activations") for e in totals.values()}) == 1, "ZeRO does not shard activations"
 
 
