@@ -202,12 +202,11 @@ def write_model(config, architecture: str, named: Iterable[tuple[str, torch.Tens
         shard.clear()
 
     for name, tensor in hub_tensors(named, config.model_type):
-        nbytes = tensor.nelement() * tensor.element_size()
-        if shard and held + nbytes > shard_bytes:
+        if shard and held + tensor.nbytes > shard_bytes:
             flush()
             held = 0
         shard[name] = tensor.detach().contiguous()
-        held += nbytes
+        held += tensor.nbytes
     if shard or not sizes:
         flush()
     names = (["model.safetensors"] if len(sizes) == 1

@@ -132,7 +132,7 @@ def stage_bucket(weights: Sequence[tuple[str, torch.Tensor]]) -> Iterator[str]:
     goes through it. The file is gone once the block ends (or, after a kill, by hpcrl.launch.shm)."""
     from safetensors.torch import save_file
 
-    size = sum(tensor.nelement() * tensor.element_size() for _, tensor in weights)
+    size = sum(tensor.nbytes for _, tensor in weights)
     shared = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * size + 2**26 else None
     with tempfile.NamedTemporaryFile(prefix="hpcrl-weights-", suffix=".safetensors", dir=shared) as staged:
         # a clone each: views into one receive buffer share its storage, which safetensors refuses

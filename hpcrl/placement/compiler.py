@@ -487,16 +487,15 @@ def _host_memory(job: JobConfig, stages: dict[str, StagePlan], slots: dict[str, 
     return filled
 
 
-def _check_vllm_pool(job: JobConfig, memory: dict[str, MemoryEstimate], profile: ClusterProfile,
-                     shape: ModelShape, parallel: Parallel | None) -> None:
+def _check_vllm_pool(job: JobConfig, roles: dict[str, _Role], memory: dict[str, MemoryEstimate],
+                     profile: ClusterProfile, shape: ModelShape) -> None:
     """vLLM must fit the weights and the KV cache of one sequence of the whole context into its
     share of the device: it refuses to start otherwise (its own check, at the context it serves)."""
-    infer = memory.get("actor_infer")
-    if infer is None or parallel is None or job.engine("actor_infer") != "vllm":
+    if "actor_infer" not in roles or job.engine("actor_infer") != "vllm":
         return
     pool = job.rollout.gpu_memory_utilization * profile.device_memory_gb
-    weights = infer.part("weights") / GIB
-    one_sequence = kv_bytes_per_token(job, shape, parallel) * shape.max_position_embeddings / GIB
+    weights = memory["actor_infer"].part("weights") / GIB
+    one_sequence = kv_bytes_per_token(job, shape, roles["actor_infer"].parallel) * shape.max_position_embeddings / GIB
     if weights + one_sequence >= 0.9 * pool:
         raise PlacementError(
             f"rollout.gpu_memory_utilization: vLLM's share of a {profile.device_memory_gb:g} GB device is "
@@ -550,7 +549,7 @@ def compile_plan(job: JobConfig, profile: ClusterProfile) -> Plan:
     memory = {name: estimate_role_memory(name, job, shape, role.parallel, profile.device_memory_gb,
                                          shared_weights=shared_weights)
               for name, role in roles.items()}
-    _check_vllm_pool(job, memory, profile, shape, roles["actor_infer"].parallel if "actor_infer" in roles else None)
+    _check_vllm_pool(job, roles, memory, profile, shape)
     stages = _stage_plans(job, roles, slots, memory, shared_weights, profile.device_memory_gb)
     stages = _check_memory(job, stages, slots, memory, roles, shape, profile)
     stages = _host_memory(job, stages, slots, memory, roles, shape, profile)

@@ -75,27 +75,24 @@ def _refuse(run_dir: Path, message: str) -> None:
     """End the world with EXIT_REFUSED: nothing a restart would change. Under Slurm, first leave
     RUN_DIR/ranks/refused-<job id> for the batch script, which srun's exit code (that of the peers
     the abort killed) would otherwise tell it a failure to retry."""
-    from hpcrl.config.constants import EXIT_REFUSED, RANK_EXITS_DIR, REFUSED_MARKER
+    from hpcrl.config.constants import EXIT_REFUSED, REFUSED_MARKER
+
+    _leave_marker(run_dir, REFUSED_MARKER, message + "\n")
+    abort(message, EXIT_REFUSED)
+
+
+def _leave_marker(run_dir: Path, marker: str, text: str = "") -> None:
+    """Under Slurm, RUN_DIR/ranks/<marker><job id> for the batch script (hpcrl.config.constants:
+    the refusal, the formed world). Never fails: the marker only refines what the script decides."""
+    from hpcrl.config.constants import RANK_EXITS_DIR
 
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if job_id.isdigit():
         try:
             (run_dir / RANK_EXITS_DIR).mkdir(parents=True, exist_ok=True)
-            (run_dir / RANK_EXITS_DIR / f"{REFUSED_MARKER}{job_id}").write_text(message + "\n")
+            (run_dir / RANK_EXITS_DIR / f"{marker}{job_id}").write_text(text)
         except OSError:
-            pass   # the refusal itself must not fail: the exit code still says it outside srun
-    abort(message, EXIT_REFUSED)
-
-
-def _mark_world_formed(run_dir: Path) -> None:
-    """Under Slurm, RUN_DIR/ranks/world-<job id>: every rank started and MPI joined them, so a later
-    failure is one a restart may get past (the batch script requeues only those)."""
-    from hpcrl.config.constants import RANK_EXITS_DIR, WORLD_MARKER
-
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    if job_id.isdigit():
-        (run_dir / RANK_EXITS_DIR).mkdir(parents=True, exist_ok=True)
-        (run_dir / RANK_EXITS_DIR / f"{WORLD_MARKER}{job_id}").touch()
+            pass
 
 
 def _hold_run_dir(run_dir: Path) -> None:
@@ -131,7 +128,9 @@ def _watch(job, layout, run_dir: Path):
 
     ranks = {r: RankInfo(host, pid, ",".join(layout.roles_on(r))) for r, (host, pid) in enumerate(everyone) if r}
     (run_dir / "ranks.json").write_text(json.dumps({str(r): vars(info) for r, info in ranks.items()}, indent=1))
-    _mark_world_formed(run_dir)
+    from hpcrl.config.constants import WORLD_MARKER
+
+    _leave_marker(run_dir, WORLD_MARKER)   # every rank started and MPI joined them: later failures may restart
     watchdog = Watchdog(job.watchdog, ranks, run_dir, since=STARTED)
     install_watchdog(watchdog)
     return watchdog

@@ -275,12 +275,11 @@ def set_cpu_threads() -> None:
 
     placement = _placement()
     here, mine = placement[COMM.Get_rank()]
-    if not mine:   # no affinity masks on this platform: the host's cores, shared by its ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // [host for host, _ in placement].count(here)))
-        return
-    torch.set_num_threads(max(1, len(mine) // sharing_ranks(placement, here, mine)))
+    cores = len(mine) or os.cpu_count() or 1   # no affinity masks on this platform: the host's cores
+    torch.set_num_threads(max(1, cores // sharing_ranks(placement, here, mine)))
 
 
 def sharing_ranks(placement: Sequence[tuple[str, tuple[int, ...]]], host: str, cores: tuple[int, ...]) -> int:
-    """How many ranks (this one among them) may run on `cores` of `host`."""
-    return sum(1 for other_host, theirs in placement if other_host == host and set(theirs) & set(cores))
+    """How many ranks (this one among them) may run on `cores` of `host` (no cores: a platform
+    without affinity masks, where every rank of the host may run anywhere)."""
+    return sum(1 for other_host, theirs in placement if other_host == host and (not cores or set(theirs) & set(cores)))
